@@ -1,0 +1,39 @@
+"""Error codes shared by every layer, mirrored one to one by ``msg/ErrorCode.msg``.
+
+Kept ROS-free so that ``runtime`` and ``capsule`` can raise errors that the ROS
+adapter turns into ``error_code`` fields without a lookup table of its own.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    OK = 0
+    UNKNOWN_CAPSULE = 1
+    INVALID_ARGUMENT = 2
+    FINGERPRINT_MISMATCH = 3
+    CORRUPT_CAPSULE = 4
+    BUDGET_EXCEEDED = 5
+    BUSY = 6
+    NOT_ACTIVE = 7
+    IO_ERROR = 8
+    INTERNAL = 9
+
+
+class FlashRTError(Exception):
+    """Base of every error this package raises on purpose; ``code`` says which kind."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+
+class InvalidArgument(FlashRTError, ValueError):
+    """The caller asked for something the engine cannot do; nothing was changed."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class CheckpointError(FlashRTError):
+    """A checkpoint could not be read, or does not match its config."""
+
+    code = ErrorCode.IO_ERROR

@@ -1,0 +1,280 @@
+"""Model configuration for the Qwen3.5-style hybrid decoder.
+
+Field names follow the Hugging Face ``config.json`` of dense Qwen3.5 text models
+so that a reader can hold the two side by side; nothing from ``transformers``
+is imported or kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgument
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+_SUPPORTED_TYPES = ("qwen3_5_text", "qwen3_5")
+_LATER_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _interleaved_layer_types(num_layers: int, full_every: int) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % full_every == 0 else LINEAR for i in range(num_layers))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 1
+    obs_dim: int = 0
+    action_dim: int = 0
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "max_position_embeddings",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidArgument(f"config field {name} must be a positive int, got {value!r}")
+        if not self.layer_types:
+            raise InvalidArgument("config needs at least one layer (layer_types is empty)")
+        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
+        if unknown:
+            raise InvalidArgument(f"unknown layer types {unknown}; expected {LINEAR!r} or {FULL!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise InvalidArgument(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise InvalidArgument(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise InvalidArgument(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives rotary dim {self.rotary_dim} "
+                f"for head_dim={self.head_dim}; it must be even and in (0, head_dim]")
+        if self.mtp_num_hidden_layers not in (0, 1):
+            raise InvalidArgument(
+                f"mtp_num_hidden_layers={self.mtp_num_hidden_layers} is not supported (0 or 1)")
+        if self.obs_dim < 0 or self.action_dim < 0 or (self.obs_dim == 0) != (self.action_dim == 0):
+            raise InvalidArgument(
+                f"policy mode needs obs_dim and action_dim both > 0 (or both 0 to turn it off), "
+                f"got obs_dim={self.obs_dim}, action_dim={self.action_dim}")
+        if self.rms_norm_eps <= 0:
+            raise InvalidArgument(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def policy(self) -> bool:
+        return self.obs_dim > 0
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "ModelConfig":
+        """The embedded default: ~1M parameters, byte-level vocabulary (256 bytes + 4 specials)."""
+        base = dict(
+            vocab_size=260, hidden_size=128, intermediate_size=256,
+            layer_types=_interleaved_layer_types(4, 4),
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=32, linear_value_head_dim=32,
+            rope_theta=10_000.0, max_position_embeddings=32768, eos_token_ids=(257,),
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def bench(cls, **overrides: Any) -> "ModelConfig":
+        """About 60M parameters: hidden 512, 8 layers at 3 linear : 1 full, for benchmarks."""
+        base = dict(
+            vocab_size=32768, hidden_size=512, intermediate_size=1536,
+            layer_types=_interleaved_layer_types(8, 4),
+            num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+            linear_num_key_heads=4, linear_num_value_heads=8,
+            linear_key_head_dim=64, linear_value_head_dim=64,
+            max_position_embeddings=32768,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def from_hf_config(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Parse a Hugging Face ``config.json`` dict of a dense Qwen3.5 text model.
+
+        A multimodal ``qwen3_5`` checkpoint is accepted through its ``text_config``.
+        """
+        if not isinstance(raw, dict):
+            raise InvalidArgument(f"config must be a JSON object, got {type(raw).__name__}")
+        model_type = raw.get("model_type")
+        if model_type in _LATER_TYPES:
+            raise InvalidArgument(
+                f"model_type {model_type!r} (mixture of experts) is not supported yet; "
+                f"supported: {', '.join(_SUPPORTED_TYPES)}")
+        if model_type not in _SUPPORTED_TYPES:
+            raise InvalidArgument(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(_SUPPORTED_TYPES)}")
+        text = raw
+        if model_type == "qwen3_5":
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise InvalidArgument("qwen3_5 config has no text_config object")
+            if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+                return cls.from_hf_config(text)
+
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise InvalidArgument(f"rope_type {rope_type!r} is not supported (only 'default')")
+        if text.get("hidden_act", "silu") != "silu":
+            raise InvalidArgument(f"hidden_act {text.get('hidden_act')!r} is not supported (only 'silu')")
+        if text.get("attention_bias", False):
+            raise InvalidArgument("attention_bias=true is not supported by this runtime")
+
+        num_layers = text.get("num_hidden_layers")
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            if not isinstance(num_layers, int):
+                raise InvalidArgument("config needs num_hidden_layers or layer_types")
+            layer_types = _interleaved_layer_types(num_layers, int(text.get("full_attention_interval", 4)))
+        layer_types = tuple(layer_types)
+        if num_layers is not None and num_layers != len(layer_types):
+            raise InvalidArgument(
+                f"num_hidden_layers={num_layers} but layer_types lists {len(layer_types)} layers")
+
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        hidden = _required(text, "hidden_size")
+        heads = _required(text, "num_attention_heads")
+        try:
+            return cls(
+                vocab_size=_required(text, "vocab_size"),
+                hidden_size=hidden,
+                intermediate_size=_required(text, "intermediate_size"),
+                layer_types=layer_types,
+                num_attention_heads=heads,
+                num_key_value_heads=text.get("num_key_value_heads", heads),
+                head_dim=text.get("head_dim") or hidden // heads,
+                linear_num_key_heads=_required(text, "linear_num_key_heads"),
+                linear_num_value_heads=_required(text, "linear_num_value_heads"),
+                linear_key_head_dim=_required(text, "linear_key_head_dim"),
+                linear_value_head_dim=_required(text, "linear_value_head_dim"),
+                linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000.0))),
+                partial_rotary_factor=float(
+                    rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+                max_position_embeddings=text.get("max_position_embeddings", 32768),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 1),
+                obs_dim=text.get("obs_dim", 0),
+                action_dim=text.get("action_dim", 0),
+                eos_token_ids=eos_ids,
+            )
+        except TypeError as exc:  # e.g. a list where an int belongs
+            raise InvalidArgument(f"malformed config: {exc}") from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"{path} is not valid JSON: {exc}") from None
+        return cls.from_hf_config(raw)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A ``config.json`` dict that ``transformers`` loads as ``Qwen3_5ForCausalLM``."""
+        out: dict[str, Any] = {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
+        }
+        if self.eos_token_ids:
+            out["eos_token_id"] = list(self.eos_token_ids)
+        if self.policy:
+            out["obs_dim"], out["action_dim"] = self.obs_dim, self.action_dim
+        return out
+
+    def fingerprint(self) -> str:
+        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def _required(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw:
+        raise InvalidArgument(f"config is missing required field {key!r}")
+    return raw[key]

@@ -1,0 +1,76 @@
+"""ModelConfig: the embedded sizes, Hugging Face config parsing, and clear refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashrt_ros.errors import InvalidArgument
+from flashrt_ros.runtime import ModelConfig
+from flashrt_ros.runtime.weights import expected_shapes
+
+
+def _params(cfg: ModelConfig) -> int:
+    total = 0
+    for shape in expected_shapes(cfg).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def test_tiny_default_is_a_few_megabytes_and_bench_about_60m_parameters():
+    assert _params(ModelConfig.tiny()) * 4 < 8 * 2**20
+    bench = ModelConfig.bench()
+    assert 50e6 < _params(bench) < 70e6
+    assert bench.hidden_size == 512 and bench.num_hidden_layers == 8
+    assert bench.layer_types.count("linear_attention") == 3 * bench.layer_types.count("full_attention")
+
+
+def test_hf_config_roundtrips():
+    cfg = ModelConfig.tiny(tie_word_embeddings=True, obs_dim=3, action_dim=2)
+    assert ModelConfig.from_hf_config(json.loads(json.dumps(cfg.to_hf_config()))) == cfg
+
+
+def test_multimodal_qwen3_5_config_is_read_through_its_text_config():
+    text = ModelConfig.tiny().to_hf_config()
+    outer = {"model_type": "qwen3_5", "text_config": text, "vision_config": {"depth": 2}}
+    assert ModelConfig.from_hf_config(outer) == ModelConfig.from_hf_config(text)
+
+
+def test_layer_types_default_to_one_full_layer_in_four():
+    raw = ModelConfig.tiny().to_hf_config()
+    del raw["layer_types"]
+    raw["num_hidden_layers"] = 8
+    cfg = ModelConfig.from_hf_config(raw)
+    assert cfg.full_layers == (3, 7)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_variants_are_refused_until_supported(model_type):
+    raw = ModelConfig.tiny().to_hf_config() | {"model_type": model_type}
+    with pytest.raises(InvalidArgument, match="not supported yet"):
+        ModelConfig.from_hf_config(raw)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "llama"}, "unsupported model_type 'llama'"),
+    ({"num_hidden_layers": 7}, "layer_types lists 4"),
+    ({"num_attention_heads": 3}, "not a multiple"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
+    ({"hidden_size": -4}, "positive int"),
+    ({"layer_types": ["linear_attention", "mamba"], "num_hidden_layers": 2}, "unknown layer types"),
+    ({"obs_dim": 4}, "policy mode"),
+])
+def test_bad_configs_name_the_problem(change, words):
+    raw = ModelConfig.tiny().to_hf_config() | change
+    with pytest.raises(InvalidArgument, match=words):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_missing_required_field_is_named():
+    raw = ModelConfig.tiny().to_hf_config()
+    del raw["linear_key_head_dim"]
+    with pytest.raises(InvalidArgument, match="linear_key_head_dim"):
+        ModelConfig.from_hf_config(raw)
