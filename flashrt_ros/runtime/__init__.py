@@ -1,0 +1,8 @@
+"""The model runtime: config, weights, state arena, hybrid model and engine. No ROS imports."""
+from ..errors import CheckpointError, ErrorCode, FlashRTError, InvalidArgument
+from .arena import Region, RegionSpec, StateArena
+from .config import ModelConfig
+from .engine import Engine
+
+__all__ = ["CheckpointError", "Engine", "ErrorCode", "FlashRTError", "InvalidArgument", "ModelConfig",
+           "Region", "RegionSpec", "StateArena"]

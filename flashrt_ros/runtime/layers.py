@@ -1,0 +1,57 @@
+"""Small functional pieces shared by the hybrid decoder: norms, RoPE and the MLP.
+
+Everything here is a pure function of its tensors, so that the eager path and
+the captured CUDA graph run literally the same code.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, multiplied by ``scale`` before the cast back, as Qwen3.5 does.
+
+    ``scale`` is fp32 and already ``1 + w``: the checkpoint stores these norm
+    weights as offsets from one, and the model adds the one once at load.
+    """
+    xf = x.float()
+    inv = torch.rsqrt((xf * xf).mean(-1, keepdim=True).add_(eps))
+    return (xf * inv).mul_(scale).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with a plain weight in the model dtype, then a SiLU gate: the Gated DeltaNet output norm."""
+    xf = x.float()
+    y = (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True).add_(eps))).to(x.dtype) * weight
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def rope_tables(max_len: int, rotary_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, fp32, shape [max_len, rotary_dim].
+
+    Precomputed once so a decode step only gathers rows by the position counter.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` features of each head (partial rotary), keep the rest.
+
+    x: [n, heads, head_dim]; cos, sin: [n, rotary_dim] already in x's dtype.
+    """
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU with gate and up fused into one [in, 2 * inter] matrix (one GEMM instead of two)."""
+    gate, up = (x @ gate_up).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down

@@ -1,0 +1,249 @@
+"""Qwen3.5-style hybrid decoder: Gated DeltaNet and gated full attention, an MTP
+head, and optional policy heads, computing over named views of the state arena.
+
+The model owns weights and derived constants only. Every piece of execution
+state (KV, recurrent, conv, MTP KV, position, last hidden state, input history)
+is a view of the arena it is bound to, so capsules see all of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import gated_delta
+from ..arena import RegionSpec, StateArena
+from ..attention import Span, write_and_attend
+from ..config import FULL, LINEAR, ModelConfig
+from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables, swiglu_mlp
+
+
+def state_specs(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> list[RegionSpec]:
+    """The arena regions this model needs; the arena decides where they go."""
+    n_full, n_lin = len(cfg.full_layers), len(cfg.linear_layers)
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    specs = [
+        RegionSpec("meta.position", "meta", torch.int64, (1,)),
+        RegionSpec("meta.last_hidden", "meta", dtype, (cfg.hidden_size,)),
+        RegionSpec("meta.tokens", "meta", torch.int64, (max_seq_len,), per_token=True),
+    ]
+    if n_lin:
+        specs += [
+            RegionSpec("recurrent", "recurrent", torch.float32,
+                       (n_lin, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)),
+            RegionSpec("conv", "conv", dtype, (n_lin, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)),
+        ]
+    if n_full:
+        # Position-major: the live prefix of every attention layer is ONE range.
+        specs.append(RegionSpec("kv", "kv", dtype, (max_seq_len, n_full, 2, hkv, d), per_token=True))
+    if cfg.mtp_num_hidden_layers:
+        specs.append(RegionSpec("mtp.kv", "mtp", dtype, (max_seq_len, 2, hkv, d), per_token=True))
+    if cfg.policy:
+        specs.append(RegionSpec("meta.observations", "meta", torch.float32, (max_seq_len, cfg.obs_dim), per_token=True))
+    return specs
+
+
+@dataclass(slots=True)
+class _Block:
+    """One decoder layer's weights. Projections are stored transposed, [in, out],
+    and fused (one GEMM per projection group): on CPU a one-row ``x @ W`` streams
+    such a matrix about twice as fast as ``F.linear`` over [out, in]."""
+
+    kind: str
+    ln_in: torch.Tensor            # fp32, 1 + w
+    ln_post: torch.Tensor          # fp32, 1 + w
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    in_proj: torch.Tensor          # linear: qkv|z|b|a   full: q(+gate)|k|v
+    out_proj: torch.Tensor
+    norm_a: torch.Tensor           # linear: gated output norm (plain w)   full: q_norm (1 + w)
+    norm_b: torch.Tensor | None    # full: k_norm (1 + w)
+    conv: torch.Tensor | None = None      # [C, K]
+    neg_a: torch.Tensor | None = None     # -exp(A_log), fp32
+    dt_bias: torch.Tensor | None = None   # fp32
+    slot: int = 0                  # index into the recurrent/conv or kv region
+
+
+class _Cast:
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
+
+    def t(self, *parts: torch.Tensor) -> torch.Tensor:
+        """Fuse [out, in] matrices along out and store the result as [in, out]."""
+        return self(torch.cat(parts).t())
+
+    def one_plus(self, w: torch.Tensor) -> torch.Tensor:
+        return (1.0 + w.detach().float()).to(self.device)
+
+
+def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast) -> _Block:
+    mlp = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
+               ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
+               gate_up=cast.t(w[f"{prefix}mlp.gate_proj.weight"], w[f"{prefix}mlp.up_proj.weight"]),
+               down=cast.t(w[f"{prefix}mlp.down_proj.weight"]))
+    if kind == FULL:
+        a = f"{prefix}self_attn."
+        return _Block(kind, **mlp, slot=slot,
+                      in_proj=cast.t(w[f"{a}q_proj.weight"], w[f"{a}k_proj.weight"], w[f"{a}v_proj.weight"]),
+                      out_proj=cast.t(w[f"{a}o_proj.weight"]),
+                      norm_a=cast.one_plus(w[f"{a}q_norm.weight"]), norm_b=cast.one_plus(w[f"{a}k_norm.weight"]))
+    a = f"{prefix}linear_attn."
+    return _Block(kind, **mlp, slot=slot,
+                  in_proj=cast.t(w[f"{a}in_proj_qkv.weight"], w[f"{a}in_proj_z.weight"],
+                                 w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"]),
+                  out_proj=cast.t(w[f"{a}out_proj.weight"]),
+                  norm_a=cast(w[f"{a}norm.weight"]), norm_b=None,
+                  conv=cast(w[f"{a}conv1d.weight"][:, 0, :]),
+                  neg_a=-w[f"{a}A_log"].float().exp().to(cast.device),
+                  dt_bias=w[f"{a}dt_bias"].float().to(cast.device))
+
+
+class Qwen35:
+    """The hybrid decoder. Build, then ``bind`` an arena; every forward writes state there."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype, max_seq_len: int) -> None:
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        cast = _Cast(device, dtype)
+        self.embed = cast(weights["model.embed_tokens.weight"])
+        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = cast.t(head)  # a second, transposed copy when tied: see _Block
+        self.final_norm = cast.one_plus(weights["model.norm.weight"])
+        slots = {FULL: 0, LINEAR: 0}
+        self.blocks: list[_Block] = []
+        for idx, kind in enumerate(cfg.layer_types):
+            self.blocks.append(_block(weights, f"model.layers.{idx}.", kind, slots[kind], cast))
+            slots[kind] += 1
+        self.mtp: _Block | None = None
+        if cfg.mtp_num_hidden_layers:
+            self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast)
+            self.mtp_fc = cast.t(weights["mtp.fc.weight"])
+            self.mtp_norm_embed = cast.one_plus(weights["mtp.pre_fc_norm_embedding.weight"])
+            self.mtp_norm_hidden = cast.one_plus(weights["mtp.pre_fc_norm_hidden.weight"])
+        if cfg.policy:
+            self.obs_proj = cast.t(weights["policy.obs_proj.weight"])
+            self.obs_bias = cast(weights["policy.obs_proj.bias"])
+            self.action_head = cast.t(weights["policy.action_head.weight"])
+            self.action_bias = cast(weights["policy.action_head.bias"])
+        cos, sin = rope_tables(max_seq_len, cfg.rotary_dim, cfg.rope_theta, device)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.rows = torch.arange(max_seq_len, device=device)
+        self.arena: StateArena | None = None
+
+    def bind(self, arena: StateArena) -> None:
+        self.arena = arena
+        self.position = arena["meta.position"]
+        self.last_hidden = arena["meta.last_hidden"]
+        self.tokens = arena["meta.tokens"]
+        self.recurrent = arena.views.get("recurrent")
+        self.conv = arena.views.get("conv")
+        self.kv = arena.views.get("kv")
+        self.mtp_kv = arena.views.get("mtp.kv")
+        self.observations = arena.views.get("meta.observations")
+
+    # ---- mixers ------------------------------------------------------------------------------
+    def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        c, vd, hv, hk = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
+        mixed, z, beta_in, a_in = (x @ b.in_proj).split([c, vd, hv, hv], dim=-1)
+
+        conv_state = self.conv[b.slot]                       # [K-1, C], time-major
+        window = torch.cat([conv_state, mixed], dim=0)       # [K-1+n, C]
+        conv_state.copy_(window[-conv_state.shape[0]:])
+        # Depthwise causal conv as a windowed multiply-add: oneDNN's grouped conv1d
+        # costs milliseconds per call at decode sizes.
+        mixed = F.silu((window.unfold(0, b.conv.shape[1], 1) * b.conv).sum(-1))
+
+        kd = cfg.linear_key_dim
+        qk = gated_delta.l2_normalize(mixed[:, :2 * kd].reshape(n, 2 * hk, -1).float())
+        q, k = qk[:, :hk] * cfg.linear_key_head_dim ** -0.5, qk[:, hk:]
+        v = mixed[:, 2 * kd:].reshape(n, hv, -1).float()
+        beta = beta_in.float().sigmoid()
+        g = b.neg_a * F.softplus(a_in.float() + b.dt_bias)
+        rule = gated_delta.recurrent_step if n == 1 else gated_delta.chunked
+        o = rule(q, k, v, g, beta, self.recurrent[b.slot]).to(x.dtype)
+        o = gated_rms_norm(o, z.reshape(n, hv, -1), b.norm_a, cfg.rms_norm_eps)
+        return o.reshape(n, vd) @ b.out_proj
+
+    def _full_mixer(self, x: torch.Tensor, b: _Block, kv: torch.Tensor, positions: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg, k, v = (x @ b.in_proj).split([2 * hq * d, hkv * d, hkv * d], dim=-1)
+        qg = qg.view(n, hq, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(n, hq * d)
+        q = apply_rope(rms_norm(q, b.norm_a, cfg.rms_norm_eps), *rope)
+        k = apply_rope(rms_norm(k.view(n, hkv, d), b.norm_b, cfg.rms_norm_eps), *rope)
+        out = write_and_attend(q, k, v.view(n, hkv, d), kv[:, 0], kv[:, 1], positions, span)
+        return (out * torch.sigmoid(gate)) @ b.out_proj
+
+    def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
+                       rope: tuple[torch.Tensor, torch.Tensor], span: Span, decode: bool) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        h = rms_norm(x, b.ln_in, eps)
+        if b.kind == FULL:
+            h = self._full_mixer(h, b, kv, positions, rope, span)
+        else:
+            h = self._linear_mixer(h, b, decode)
+        x = x + h
+        return x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
+
+    # ---- one committed boundary ----------------------------------------------------------------
+    def advance(self, embeds: torch.Tensor, positions: torch.Tensor, span: Span, decode: bool) -> None:
+        """Run n input embeddings [n, H] at ``positions`` through the backbone and the MTP
+        layer, then move the boundary: last hidden state and position counter."""
+        x = embeds
+        rope = (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
+        for b in self.blocks:
+            kv = self.kv[:, b.slot] if b.kind == FULL else None
+            x = self._block_forward(x, b, kv, positions, rope, span, decode)
+        hidden = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+        if self.mtp is not None:
+            # MTP pairs token t's embedding with the hidden state of token t-1.
+            prev = torch.cat([self.last_hidden[None], hidden[:-1]]) if not decode else self.last_hidden[None]
+            eps = self.cfg.rms_norm_eps
+            m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev, self.mtp_norm_hidden, eps)], -1)
+            self._block_forward(m @ self.mtp_fc, self.mtp, self.mtp_kv, positions, rope, span, decode)
+        self.last_hidden.copy_(hidden[-1])
+        self.position.add_(embeds.shape[0])
+
+    def logits(self) -> torch.Tensor:
+        """Next-token logits [1, vocab], from the last hidden state alone."""
+        return self.last_hidden[None] @ self.lm_head
+
+    def prefill(self, ids: torch.Tensor, start: int) -> None:
+        positions = torch.arange(start, start + ids.shape[0], device=self.device)
+        self.tokens[start:start + ids.shape[0]].copy_(ids)
+        self.advance(F.embedding(ids, self.embed), positions, Span.prefill(start, ids.shape[0], self.device),
+                     decode=False)
+
+    def token_step(self, span: Span) -> None:
+        """Greedy decode of one token, reading and writing only arena state (graph-capturable)."""
+        token = self.logits().argmax(-1)
+        self.tokens.index_copy_(0, self.position, token)
+        self.advance(F.embedding(token, self.embed), self.position, span, decode=True)
+
+    def policy_step(self, observation: torch.Tensor, action_out: torch.Tensor, span: Span) -> None:
+        """One observation [obs_dim] in, one action written to ``action_out`` (graph-capturable)."""
+        self.tokens.index_fill_(0, self.position, -1)
+        self.observations.index_copy_(0, self.position, observation[None])
+        embed = torch.addmm(self.obs_bias, observation[None].to(self.dtype), self.obs_proj)
+        self.advance(embed, self.position, span, decode=True)
+        action_out.copy_(torch.addmm(self.action_bias, self.last_hidden[None], self.action_head)[0])
+
+    def decode_span(self, position: int, fixed: bool) -> Span:
+        return Span.fixed(self.rows, self.position) if fixed else Span.decode(position)
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (the embedding table: one row only)."""
+        tensors = [self.lm_head, self.final_norm]
+        for b in self.blocks + ([self.mtp] if self.mtp is not None else []):
+            tensors += [t for t in (b.ln_in, b.ln_post, b.gate_up, b.down, b.in_proj, b.out_proj, b.norm_a,
+                                    b.norm_b, b.conv) if t is not None]
+        if self.mtp is not None:
+            tensors += [self.mtp_fc, self.mtp_norm_embed, self.mtp_norm_hidden]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.embed[0].numel() * self.embed.element_size()

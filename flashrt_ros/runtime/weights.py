@@ -1,0 +1,211 @@
+"""Weights: the names and shapes a config implies, seeded weights for the embedded
+default, loading Hugging Face safetensors checkpoints, and the model fingerprint.
+
+Weights travel as a flat ``{hf_name: tensor}`` dict in the Hugging Face naming
+of ``Qwen3_5ForCausalLM``; the model fuses them into its own layout only
+when it is built, so the fingerprint is independent of that layout.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError
+from .config import FULL, ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Groups a checkpoint may omit; they are then seeded (flagged in the engine's info).
+OPTIONAL_PREFIXES = ("mtp.", "policy.")
+# Prefixes of multimodal checkpoints mapped onto the text model, or ignored.
+_RENAMES = (("model.language_model.", "model."),)
+_IGNORED = ("model.visual.", "visual.", "model.vision_tower.")
+
+
+def _attention_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    return {
+        f"{prefix}self_attn.q_proj.weight": (2 * cfg.num_attention_heads * d, h),
+        f"{prefix}self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+        f"{prefix}self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+        f"{prefix}self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+        f"{prefix}self_attn.q_norm.weight": (d,),
+        f"{prefix}self_attn.k_norm.weight": (d,),
+    }
+
+
+def _block_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        f"{prefix}input_layernorm.weight": (h,),
+        f"{prefix}post_attention_layernorm.weight": (h,),
+        f"{prefix}mlp.gate_proj.weight": (i, h),
+        f"{prefix}mlp.up_proj.weight": (i, h),
+        f"{prefix}mlp.down_proj.weight": (h, i),
+    }
+
+
+def _linear_attention_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    p = f"{prefix}linear_attn."
+    return {
+        f"{p}in_proj_qkv.weight": (cfg.conv_dim, h),
+        f"{p}in_proj_z.weight": (cfg.linear_value_dim, h),
+        f"{p}in_proj_b.weight": (hv, h),
+        f"{p}in_proj_a.weight": (hv, h),
+        f"{p}conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+        f"{p}dt_bias": (hv,),
+        f"{p}A_log": (hv,),
+        f"{p}norm.weight": (cfg.linear_value_head_dim,),
+        f"{p}out_proj.weight": (h, cfg.linear_value_dim),
+    }
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by Hugging Face name."""
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for idx, kind in enumerate(cfg.layer_types):
+        prefix = f"model.layers.{idx}."
+        shapes |= _block_shapes(cfg, prefix)
+        shapes |= _attention_shapes(cfg, prefix) if kind == FULL else _linear_attention_shapes(cfg, prefix)
+    if cfg.mtp_num_hidden_layers:
+        shapes |= {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+        shapes |= _block_shapes(cfg, "mtp.layers.0.") | _attention_shapes(cfg, "mtp.layers.0.")
+    if cfg.policy:
+        shapes |= {"policy.obs_proj.weight": (h, cfg.obs_dim), "policy.obs_proj.bias": (h,),
+                   "policy.action_head.weight": (cfg.action_dim, h), "policy.action_head.bias": (cfg.action_dim,)}
+    return shapes
+
+
+def _seeded(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    # One generator per tensor, keyed by name: a tensor's values do not depend
+    # on which other tensors exist, so adding a head never changes the backbone.
+    key = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
+    normal = torch.randn(shape, generator=gen)
+    if name.endswith("A_log"):
+        # Per-token decays exp(-A * softplus(.)) from ~0.3 to ~0.99: some heads
+        # forget fast, some remember long, so the recurrent state carries meaning.
+        return torch.empty(shape).uniform_(0.01, 1.0, generator=gen).log()
+    if name.endswith("dt_bias"):
+        return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+    if name.endswith("linear_attn.norm.weight"):  # plain weight, centred on one
+        return 1.0 + 0.1 * normal
+    if name.endswith("norm.weight") or name.endswith(".bias"):  # zero-centred norms and biases
+        return 0.1 * normal
+    if name.endswith("conv1d.weight"):
+        return normal / math.sqrt(shape[-1])
+    if name == "model.embed_tokens.weight":
+        return normal
+    return normal / math.sqrt(shape[-1])
+
+
+def seeded_weights(cfg: ModelConfig, seed: int = 0, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Deterministic fp32 weights for every name in ``names`` (default: all)."""
+    shapes = expected_shapes(cfg)
+    return {n: _seeded(n, shapes[n], seed) for n in (names if names is not None else shapes)}
+
+
+def _canonical(name: str) -> str | None:
+    if name.startswith(_IGNORED):
+        return None
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    for f in files:
+        if f.parent.resolve() != path.resolve():
+            raise CheckpointError(f"{index}: shard {f.name!r} points outside the checkpoint folder")
+        if not f.is_file():
+            raise CheckpointError(f"{path}: shard {f.name} listed in the index is missing")
+    return files
+
+
+def load_checkpoint(path: str | Path, seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str]]:
+    """Read ``config.json`` and the safetensors weights of a Hugging Face checkpoint folder.
+
+    Returns the config, fp32-or-stored-dtype weights by canonical name, and the
+    names that were absent and seeded (only ``mtp.*`` and ``policy.*`` may be).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a folder")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"checkpoint {path} has no config.json")
+    cfg = ModelConfig.from_json(path / "config.json")
+    shapes = expected_shapes(cfg)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for raw_name in reader.keys():
+                    name = _canonical(raw_name)
+                    if name is None:
+                        continue
+                    if name not in shapes:
+                        if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                            log.warning("ignoring unexpected tensor %s in %s", raw_name, file.name)
+                        continue
+                    tensor = reader.get_tensor(raw_name)
+                    if tuple(tensor.shape) != shapes[name]:
+                        raise CheckpointError(
+                            f"{file.name}: tensor {raw_name} has shape {tuple(tensor.shape)}, "
+                            f"config implies {shapes[name]}")
+                    weights[name] = tensor
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}") from None
+    missing = [n for n in shapes if n not in weights]
+    required = [n for n in missing if not n.startswith(OPTIONAL_PREFIXES)]
+    if required:
+        shown = ", ".join(required[:5]) + (f" and {len(required) - 5} more" if len(required) > 5 else "")
+        raise CheckpointError(f"checkpoint {path} is missing {len(required)} tensors: {shown}")
+    if missing:
+        log.info("checkpoint %s has no %s; seeding them (seed=%d)", path,
+                 sorted({n.split('.')[0] for n in missing}), seed)
+        weights |= seeded_weights(cfg, seed, missing)
+    return cfg, weights, missing
+
+
+def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the layout ``load_checkpoint`` reads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def fingerprint(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> str:
+    """blake2b of the config and of every weight's name, dtype, shape and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(cfg.fingerprint().encode())
+    for name in sorted(weights):
+        t = weights[name].detach().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).cpu().numpy() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,141 @@
+"""Engine behaviour: committed boundaries, graph-shaped decode, and bad input that changes nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrt_ros.errors import ErrorCode, InvalidArgument
+from flashrt_ros.runtime import Engine, ModelConfig
+
+PROMPT = list(b"The robot picks up the red cube and ")
+
+
+def test_prefill_in_small_chunks_gives_the_same_continuation():
+    whole = Engine.from_config(ModelConfig.tiny())
+    chunked = Engine.from_config(ModelConfig.tiny(), prefill_chunk=7)
+    assert torch.allclose(whole.prefill(PROMPT), chunked.prefill(PROMPT), atol=1e-4)
+    assert whole.generate(32) == chunked.generate(32)
+
+
+def test_prefill_appends_to_the_state():
+    one = Engine.from_config(ModelConfig.tiny())
+    two = Engine.from_config(ModelConfig.tiny())
+    one.prefill(PROMPT)
+    two.prefill(PROMPT[:11])
+    two.prefill(PROMPT[11:])
+    assert two.position == one.position == len(PROMPT)
+    assert one.generate(24) == two.generate(24)
+
+
+def test_graph_shaped_decode_computes_what_eager_decode_computes():
+    eager = Engine.from_config(ModelConfig.tiny(), max_seq_len=512)
+    fixed = Engine.from_config(ModelConfig.tiny(), max_seq_len=512, static_shapes=True)
+    eager.prefill(PROMPT)
+    fixed.prefill(PROMPT)
+    assert eager.generate(48) == fixed.generate(48)
+    assert torch.allclose(eager.logits(), fixed.logits(), atol=1e-5)
+
+
+def test_generate_commits_one_boundary_per_token_and_records_it(tiny_engine):
+    tiny_engine.prefill(PROMPT)
+    tokens = tiny_engine.generate(10)
+    assert tiny_engine.position == len(PROMPT) + 10
+    history = tiny_engine.arena["meta.tokens"][:tiny_engine.position].tolist()
+    assert history == PROMPT + tokens
+    assert list(tiny_engine.stream(5, sync_every=2)) == tiny_engine.arena["meta.tokens"][-5 + tiny_engine.position:tiny_engine.position].tolist()
+
+
+def test_greedy_generation_is_deterministic_across_engines_with_one_seed():
+    a, b = Engine.from_config(ModelConfig.tiny(), seed=3), Engine.from_config(ModelConfig.tiny(), seed=3)
+    assert a.model_fingerprint == b.model_fingerprint
+    a.prefill(PROMPT), b.prefill(PROMPT)
+    assert a.generate(20) == b.generate(20)
+    assert a.state_digest() == b.state_digest()
+    assert Engine.from_config(ModelConfig.tiny(), seed=4).model_fingerprint != a.model_fingerprint
+
+
+def test_mtp_kv_and_last_hidden_are_current_at_every_boundary(tiny_engine):
+    tiny_engine.prefill(PROMPT)
+    tiny_engine.generate(3)
+    p = tiny_engine.position
+    mtp = tiny_engine.arena["mtp.kv"]
+    assert mtp[:p].abs().sum(dim=(1, 2, 3)).gt(0).all()   # one MTP row per committed position
+    assert mtp[p:].abs().sum() == 0
+    assert tiny_engine.arena["meta.last_hidden"].abs().sum() > 0
+    assert int(tiny_engine.arena["meta.position"]) == p
+
+
+def test_reset_returns_to_the_empty_state(tiny_engine):
+    empty = tiny_engine.state_digest()
+    tiny_engine.prefill(PROMPT)
+    tiny_engine.reset()
+    assert tiny_engine.position == 0 and tiny_engine.state_digest() == empty
+
+
+BAD_CALLS = {
+    "token id past the vocabulary": (lambda e: e.prefill([1, 2, 260]), "out of range"),
+    "negative token id": (lambda e: e.prefill([-1]), "out of range"),
+    "float token ids": (lambda e: e.prefill([1.5, 2.0]), "integers"),
+    "empty prompt": (lambda e: e.prefill([]), "empty"),
+    "not a sequence": (lambda e: e.prefill("abc"), "sequence of ints"),
+    "prompt past max_seq_len": (lambda e: e.prefill([1] * 300), "max_seq_len"),
+    "generate past max_seq_len": (lambda e: e.generate(300), "max_seq_len"),
+    "negative token count": (lambda e: e.generate(-1), "int >= 0"),
+    "policy step without policy heads": (lambda e: e.step([0.0]), "no policy heads"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_raises_a_clear_error_and_changes_nothing(case):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    engine.prefill(PROMPT)
+    before, position = engine.state_digest(), engine.position
+    call, words = BAD_CALLS[case]
+    with pytest.raises(InvalidArgument, match=words) as info:
+        call(engine)
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert engine.state_digest() == before and engine.position == position
+    assert len(engine.generate(2)) == 2  # still serving
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"no_such_option": 1}, "unknown engine options"),
+    ({"dtype": torch.int32}, "not supported"),
+    ({"max_seq_len": 0}, "positive int"),
+])
+def test_bad_engine_arguments_are_refused(kwargs, words):
+    with pytest.raises(InvalidArgument, match=words):
+        Engine.from_config(ModelConfig.tiny(), **kwargs)
+
+
+POLICY = ModelConfig.tiny(obs_dim=10, action_dim=4)
+
+
+def test_policy_step_turns_one_observation_into_one_action_at_a_boundary():
+    a, b = Engine.from_config(POLICY), Engine.from_config(POLICY)
+    obs = torch.linspace(-1, 1, 10)
+    actions = [a.step(obs * (i + 1)) for i in range(3)]
+    assert all(act.shape == (4,) and torch.isfinite(act).all() for act in actions)
+    assert not torch.equal(actions[0], actions[1])  # the state moved on
+    assert a.position == 3
+    assert a.arena["meta.tokens"][:3].tolist() == [-1, -1, -1]
+    assert torch.equal(a.arena["meta.observations"][2], obs * 3)
+    replay = [b.step(obs * (i + 1)) for i in range(3)]
+    assert all(torch.equal(x, y) for x, y in zip(actions, replay))
+
+
+def test_policy_steps_and_tokens_share_one_backbone_state():
+    engine = Engine.from_config(POLICY)
+    engine.prefill(PROMPT)
+    engine.step(torch.zeros(10))
+    assert len(engine.generate(4)) == 4 and engine.position == len(PROMPT) + 5
+
+
+@pytest.mark.parametrize("obs, words", [([0.0] * 9, "obs_dim=10"), ([float("nan")] * 10, "NaN"),
+                                        ([["x"]], "vector of numbers")])
+def test_bad_observation_is_refused_without_a_step(obs, words):
+    engine = Engine.from_config(POLICY)
+    before = engine.state_digest()
+    with pytest.raises(InvalidArgument, match=words):
+        engine.step(obs)
+    assert engine.state_digest() == before and engine.position == 0

@@ -1,0 +1,112 @@
+"""Checkpoints: single-file, sharded and multimodal layouts load; broken ones are refused by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashrt_ros.errors import CheckpointError, ErrorCode
+from flashrt_ros.runtime import Engine, ModelConfig
+from flashrt_ros.runtime.weights import fingerprint, save_checkpoint, seeded_weights
+from hf_reference import save_hf_model
+
+CFG = ModelConfig.tiny(vocab_size=300)
+PROMPT = list(range(5, 60))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("single")
+    save_hf_model(CFG, seed=1, path=path)
+    return path
+
+
+def _continuation(engine: Engine) -> list[int]:
+    engine.prefill(PROMPT)
+    return engine.generate(16)
+
+
+def test_sharded_checkpoint_loads_like_the_single_file(hf_dir, tmp_path):
+    save_hf_model(CFG, seed=1, path=tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    single, sharded = Engine.from_pretrained(hf_dir), Engine.from_pretrained(tmp_path)
+    assert single.model_fingerprint == sharded.model_fingerprint
+    assert _continuation(single) == _continuation(sharded)
+
+
+def test_multimodal_checkpoint_layout_is_mapped_onto_the_text_model(hf_dir, tmp_path):
+    tensors = load_file(hf_dir / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.weight"] = torch.zeros(4, 4)
+    save_file(renamed, tmp_path / "model.safetensors")
+    text = json.loads((hf_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    assert _continuation(Engine.from_pretrained(tmp_path)) == _continuation(Engine.from_pretrained(hf_dir))
+
+
+def test_mtp_and_policy_weights_are_loaded_when_present_and_seeded_when_absent(hf_dir, tmp_path):
+    assert any(n.startswith("mtp.") for n in Engine.from_pretrained(hf_dir).seeded_weights)
+    cfg = ModelConfig.tiny(obs_dim=6, action_dim=3)
+    weights = seeded_weights(cfg, seed=9)
+    save_checkpoint(tmp_path, cfg, weights)
+    loaded = Engine.from_pretrained(tmp_path, seed=0)
+    assert loaded.seeded_weights == ()
+    assert loaded.model_fingerprint == Engine(cfg, weights).model_fingerprint
+    assert torch.equal(loaded.step(torch.ones(6)), Engine(cfg, weights).step(torch.ones(6)))
+
+
+def test_fingerprint_changes_with_one_weight_element():
+    weights = seeded_weights(CFG)
+    before = fingerprint(CFG, weights)
+    weights["model.norm.weight"][3] += 1e-3
+    assert fingerprint(CFG, weights) != before
+
+
+def _break_missing(path):
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.3.self_attn.k_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+
+
+def _break_shape(path):
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros(7)
+    save_file(tensors, path / "model.safetensors")
+
+
+def _break_truncate(path):
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _break_config(path):
+    (path / "config.json").write_text("{not json")
+
+
+def _break_no_weights(path):
+    (path / "model.safetensors").unlink()
+
+
+@pytest.mark.parametrize("damage, error, words", [
+    (_break_missing, CheckpointError, "k_proj"),
+    (_break_shape, CheckpointError, r"shape \(7,\)"),
+    (_break_truncate, CheckpointError, "cannot read"),
+    (_break_config, Exception, "not valid JSON"),
+    (_break_no_weights, CheckpointError, "no \\*.safetensors"),
+])
+def test_broken_checkpoints_are_refused_with_the_reason(hf_dir, tmp_path, damage, error, words):
+    for f in hf_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    damage(tmp_path)
+    with pytest.raises(error, match=words) as info:
+        Engine.from_pretrained(tmp_path)
+    assert info.value.code in (ErrorCode.IO_ERROR, ErrorCode.INVALID_ARGUMENT)
+
+
+def test_missing_folder_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="not a folder"):
+        Engine.from_pretrained(tmp_path / "nope")
