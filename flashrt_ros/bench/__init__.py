@@ -1,0 +1,1 @@
+"""Benchmarks: each module is runnable with ``python -m`` and prints ratios measured side by side."""

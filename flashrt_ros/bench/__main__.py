@@ -1,0 +1,5 @@
+"""``python -m flashrt_ros.bench``: run every benchmark module in turn."""
+from . import runtime
+
+if __name__ == "__main__":
+    runtime.run()

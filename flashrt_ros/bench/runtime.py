@@ -1,0 +1,110 @@
+"""Decode and prefill of this engine vs transformers on the same weights, and the bandwidth limit.
+
+    python -m flashrt_ros.bench.runtime [--device cpu] [--prompt 512] [--tokens 32] [--rounds 5]
+
+Both run in this one process, on the same ``ModelConfig.bench()`` checkpoint
+(written to a temp folder and loaded by each), interleaved round by round.
+transformers' decode is its cached forward called one token at a time (no
+``generate`` overhead). The limit is the weight bytes one decode step reads
+divided by the measured bandwidth of one plain copy of 256 MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import torch
+
+from ..runtime import Engine, ModelConfig
+from ..runtime.weights import save_checkpoint, seeded_weights
+from .common import copy_bandwidth, interleaved, machine, timed, verdict
+
+
+def _hf_model(path: str, device: torch.device):
+    import transformers
+    from transformers import Qwen3_5ForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    return Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 5) -> dict:
+    dev = torch.device(device)
+    cfg = ModelConfig.bench()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(tmp, cfg, seeded_weights(cfg, seed=0))
+        engine = Engine.from_pretrained(tmp, device=dev, max_seq_len=prompt + tokens * (rounds + 2) + 8)
+        hf = _hf_model(tmp, dev)
+    ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
+    hf_ids = ids[None].to(dev)
+
+    def ours_prefill() -> float:
+        engine.reset()
+        return timed(lambda: engine.prefill(ids), dev)
+
+    def hf_prefill() -> float:
+        with torch.inference_mode():
+            return timed(lambda: hf(hf_ids, use_cache=True), dev)
+
+    def ours_decode() -> float:
+        engine.reset()
+        engine.prefill(ids)
+        return timed(lambda: engine.generate(tokens), dev) / tokens
+
+    def hf_decode() -> float:
+        with torch.inference_mode():
+            out = hf(hf_ids, use_cache=True)
+            cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+
+            def loop() -> None:
+                nonlocal cache, nxt
+                for _ in range(tokens):
+                    out = hf(nxt, cache=cache, use_cache=True)
+                    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+            return timed(loop, dev) / tokens
+
+    for fn in (ours_prefill, hf_prefill, ours_decode, hf_decode):  # warm-up: kernels, allocator
+        fn()
+    t = interleaved({"ours_prefill": ours_prefill, "hf_prefill": hf_prefill,
+                     "ours_decode": ours_decode, "hf_decode": hf_decode}, rounds)
+    bandwidth = copy_bandwidth(256 * 2**20, dev)
+    weight_bytes = engine.model.weight_bytes_per_token()
+    limit = weight_bytes / bandwidth
+
+    print(f"runtime benchmark on {machine()}")
+    print(f"  model: ModelConfig.bench(), fp32, prompt {prompt} tokens, {tokens} decode tokens, {rounds} rounds (medians)")
+    print(f"  prefill tokens/s   ours {prompt / t['ours_prefill']:9.1f}   transformers {prompt / t['hf_prefill']:9.1f}")
+    print(f"  decode ms/token    ours {t['ours_decode'] * 1e3:9.2f}   transformers {t['hf_decode'] * 1e3:9.2f}")
+    print(f"  limit ms/token     {limit * 1e3:.2f}  ({weight_bytes / 1e6:.1f} MB of weights per step "
+          f"/ {bandwidth / 1e9:.1f} GB/s copy bandwidth)")
+    results = {
+        "machine": machine(), "device": str(dev),
+        "prefill_tokens_per_s": {"ours": prompt / t["ours_prefill"], "transformers": prompt / t["hf_prefill"]},
+        "decode_ms_per_token": {"ours": t["ours_decode"] * 1e3, "transformers": t["hf_decode"] * 1e3},
+        "limit_ms_per_token": limit * 1e3,
+        "checks": [
+            verdict("decode speed-up over transformers", t["hf_decode"] / t["ours_decode"], 2.0, True),
+            verdict("decode time / bandwidth limit", t["ours_decode"] / limit, 1.5, False),
+            verdict("prefill speed-up over transformers", t["hf_prefill"] / t["ours_prefill"], 1.3, True),
+        ],
+    }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = run(args.device, args.prompt, args.tokens, args.rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
