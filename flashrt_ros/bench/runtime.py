@@ -6,12 +6,15 @@ Both run in this one process, on the same ``ModelConfig.bench()`` checkpoint
 (written to a temp folder and loaded by each), interleaved round by round.
 transformers' decode is its cached forward called one token at a time (no
 ``generate`` overhead). The limit is the weight bytes one decode step reads
-divided by the measured bandwidth of one plain copy of 256 MiB.
+divided by the measured bandwidth of one plain copy of 256 MiB, measured in
+the same rounds. Set THP_MEM_ALLOC_ENABLE=1 to give transformers' tensors the
+huge pages this engine asks for on its own.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 
 import torch
@@ -67,19 +70,21 @@ def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 
     for fn in (ours_prefill, hf_prefill, ours_decode, hf_decode):  # warm-up: kernels, allocator
         fn()
     t = interleaved({"ours_prefill": ours_prefill, "hf_prefill": hf_prefill,
-                     "ours_decode": ours_decode, "hf_decode": hf_decode}, rounds)
-    bandwidth = copy_bandwidth(256 * 2**20, dev)
+                     "ours_decode": ours_decode, "hf_decode": hf_decode,
+                     "copy": lambda: 1.0 / copy_bandwidth(256 * 2**20, dev, rounds=3)}, rounds)
+    bandwidth = 1.0 / t["copy"]
     weight_bytes = engine.model.weight_bytes_per_token()
     limit = weight_bytes / bandwidth
 
-    print(f"runtime benchmark on {machine()}")
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    print(f"runtime benchmark on {machine()}; THP_MEM_ALLOC_ENABLE={thp}")
     print(f"  model: ModelConfig.bench(), fp32, prompt {prompt} tokens, {tokens} decode tokens, {rounds} rounds (medians)")
     print(f"  prefill tokens/s   ours {prompt / t['ours_prefill']:9.1f}   transformers {prompt / t['hf_prefill']:9.1f}")
     print(f"  decode ms/token    ours {t['ours_decode'] * 1e3:9.2f}   transformers {t['hf_decode'] * 1e3:9.2f}")
     print(f"  limit ms/token     {limit * 1e3:.2f}  ({weight_bytes / 1e6:.1f} MB of weights per step "
           f"/ {bandwidth / 1e9:.1f} GB/s copy bandwidth)")
     results = {
-        "machine": machine(), "device": str(dev),
+        "machine": machine(), "device": str(dev), "thp_mem_alloc": thp,
         "prefill_tokens_per_s": {"ours": prompt / t["ours_prefill"], "transformers": prompt / t["hf_prefill"]},
         "decode_ms_per_token": {"ours": t["ours_decode"] * 1e3, "transformers": t["hf_decode"] * 1e3},
         "limit_ms_per_token": limit * 1e3,

@@ -17,6 +17,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .hugepages import empty_huge
+
 GROUPS = ("kv", "recurrent", "conv", "mtp", "meta")
 _ALIGN = 256  # bytes; keeps every view aligned for vector loads and cudaMemcpy
 
@@ -91,7 +93,7 @@ class StateArena:
         self.nbytes = _aligned(offset)
         # Zeroed once: the initial state of every recurrence is zero, and unused
         # padding must hash the same on every machine.
-        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.buffer = empty_huge((self.nbytes,), torch.uint8, self.device).zero_()
         if pin and self.device.type == "cpu" and torch.cuda.is_available():
             self.buffer = self.buffer.pin_memory()
         self.regions: tuple[Region, ...] = tuple(regions)

@@ -50,14 +50,29 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      positions: torch.Tensor, span: Span) -> torch.Tensor:
     """q [n, Hq, D]; k, v [n, Hkv, D]; caches [S, Hkv, D] (views into the arena).
 
-    Returns [n, Hq * D].
+    Returns [n, Hq * D]. Query head h reads KV head h // (Hq // Hkv).
     """
     k_cache.index_copy_(0, positions, k)
     v_cache.index_copy_(0, positions, v)
-    keys = k_cache[:span.length].transpose(0, 1)
-    values = v_cache[:span.length].transpose(0, 1)
+    keys, values = k_cache[:span.length], v_cache[:span.length]
+    scale = q.shape[-1] ** -0.5
+    if q.shape[0] == 1:
+        return _attend_one(q, keys, values, span.mask, scale)
     mask = None if span.mask is None else span.mask[None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=span.causal,
-        scale=q.shape[-1] ** -0.5, enable_gqa=True)
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+        is_causal=span.causal, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    """One query row: grouped heads by reshaping the query, never by copying K and V
+    (SDPA's GQA path repeats the cache per query head on CPU)."""
+    kv_heads, d = keys.shape[1], keys.shape[2]
+    grouped = q.reshape(kv_heads, -1, d)                              # [Hkv, G, D]
+    scores = torch.matmul(grouped, keys.permute(1, 2, 0)) * scale     # [Hkv, G, T]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.transpose(0, 1)).reshape(1, -1)

@@ -50,10 +50,10 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     s = state.view(hk, hv // hk, dk, dv)
     s.mul_(g.exp().view(hk, -1, 1, 1))
     # [hk, 1, 1, dk] @ [hk, G, dk, dv]: one batched GEMV per key head (einsum costs 7x more here).
-    read = torch.matmul(k[0][:, None, None, :], s).view(hk, -1, dv)
-    delta = (v.view(hk, -1, dv) - read) * beta.view(hk, -1, 1)
-    s.add_(k[0][:, None, :, None] * delta[:, :, None, :])
-    return torch.matmul(q[0][:, None, None, :], s).reshape(1, hv, dv)
+    read = torch.matmul(k.view(hk, 1, 1, dk), s)                      # [hk, G, 1, dv]
+    delta = (v.view(hk, -1, 1, dv) - read).mul_(beta.view(hk, -1, 1, 1))
+    s.add_(k.view(hk, 1, dk, 1) * delta)
+    return torch.matmul(q.view(hk, 1, 1, dk), s).view(1, hv, dv)
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -16,6 +16,7 @@ from .. import gated_delta
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
 from ..config import FULL, LINEAR, ModelConfig
+from ..hugepages import empty_huge
 from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables, swiglu_mlp
 
 
@@ -55,10 +56,9 @@ class _Block:
     ln_post: torch.Tensor          # fp32, 1 + w
     gate_up: torch.Tensor
     down: torch.Tensor
-    in_proj: torch.Tensor          # linear: qkv|z|b|a   full: q(+gate)|k|v
+    in_proj: torch.Tensor          # linear: qkv|z|b|a   full: q|k|gate|v
     out_proj: torch.Tensor
-    norm_a: torch.Tensor           # linear: gated output norm (plain w)   full: q_norm (1 + w)
-    norm_b: torch.Tensor | None    # full: k_norm (1 + w)
+    norm_a: torch.Tensor           # linear: gated output norm (plain w)   full: q|k norm per head (1 + w)
     conv: torch.Tensor | None = None      # [C, K]
     neg_a: torch.Tensor | None = None     # -exp(A_log), fp32
     dt_bias: torch.Tensor | None = None   # fp32
@@ -70,7 +70,7 @@ class _Cast:
         self.device, self.dtype = device, dtype
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
+        return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
 
     def t(self, *parts: torch.Tensor) -> torch.Tensor:
         """Fuse [out, in] matrices along out and store the result as [in, out]."""
@@ -87,16 +87,25 @@ def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: 
                down=cast.t(w[f"{prefix}mlp.down_proj.weight"]))
     if kind == FULL:
         a = f"{prefix}self_attn."
+        q_norm, k_norm = w[f"{a}q_norm.weight"], w[f"{a}k_norm.weight"]
+        d = q_norm.shape[0]
+        # q_proj interleaves [query_h, gate_h] per head; regroup the rows as
+        # queries | keys | gates | values so that queries and keys are one block
+        # that takes a single per-head norm and a single RoPE.
+        q_and_gate = w[f"{a}q_proj.weight"].view(-1, 2, d, w[f"{a}q_proj.weight"].shape[-1])
+        heads = q_and_gate.shape[0]
+        kv_heads = w[f"{a}k_proj.weight"].shape[0] // d
         return _Block(kind, **mlp, slot=slot,
-                      in_proj=cast.t(w[f"{a}q_proj.weight"], w[f"{a}k_proj.weight"], w[f"{a}v_proj.weight"]),
+                      in_proj=cast.t(q_and_gate[:, 0].flatten(0, 1), w[f"{a}k_proj.weight"],
+                                     q_and_gate[:, 1].flatten(0, 1), w[f"{a}v_proj.weight"]),
                       out_proj=cast.t(w[f"{a}o_proj.weight"]),
-                      norm_a=cast.one_plus(w[f"{a}q_norm.weight"]), norm_b=cast.one_plus(w[f"{a}k_norm.weight"]))
+                      norm_a=cast.one_plus(torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)])))
     a = f"{prefix}linear_attn."
     return _Block(kind, **mlp, slot=slot,
                   in_proj=cast.t(w[f"{a}in_proj_qkv.weight"], w[f"{a}in_proj_z.weight"],
                                  w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"]),
                   out_proj=cast.t(w[f"{a}out_proj.weight"]),
-                  norm_a=cast(w[f"{a}norm.weight"]), norm_b=None,
+                  norm_a=cast(w[f"{a}norm.weight"]),
                   conv=cast(w[f"{a}conv1d.weight"][:, 0, :]),
                   neg_a=-w[f"{a}A_log"].float().exp().to(cast.device),
                   dt_bias=w[f"{a}dt_bias"].float().to(cast.device))
@@ -173,12 +182,9 @@ class Qwen35:
                     rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = (x @ b.in_proj).split([2 * hq * d, hkv * d, hkv * d], dim=-1)
-        qg = qg.view(n, hq, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(n, hq * d)
-        q = apply_rope(rms_norm(q, b.norm_a, cfg.rms_norm_eps), *rope)
-        k = apply_rope(rms_norm(k.view(n, hkv, d), b.norm_b, cfg.rms_norm_eps), *rope)
-        out = write_and_attend(q, k, v.view(n, hkv, d), kv[:, 0], kv[:, 1], positions, span)
+        qk, gate, v = (x @ b.in_proj).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
+        qk = apply_rope(rms_norm(qk.view(n, hq + hkv, d), b.norm_a, cfg.rms_norm_eps), *rope)
+        out = write_and_attend(qk[:, :hq], qk[:, hq:], v.view(n, hkv, d), kv[:, 0], kv[:, 1], positions, span)
         return (out * torch.sigmoid(gate)) @ b.out_proj
 
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
@@ -243,7 +249,7 @@ class Qwen35:
         tensors = [self.lm_head, self.final_norm]
         for b in self.blocks + ([self.mtp] if self.mtp is not None else []):
             tensors += [t for t in (b.ln_in, b.ln_post, b.gate_up, b.down, b.in_proj, b.out_proj, b.norm_a,
-                                    b.norm_b, b.conv) if t is not None]
+                                    b.conv) if t is not None]
         if self.mtp is not None:
             tensors += [self.mtp_fc, self.mtp_norm_embed, self.mtp_norm_hidden]
         return sum(t.numel() * t.element_size() for t in tensors) + self.embed[0].numel() * self.embed.element_size()
