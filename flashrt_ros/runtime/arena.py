@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..digest import state_digest
 from .hugepages import empty_huge
 
 GROUPS = ("kv", "recurrent", "conv", "mtp", "meta")
@@ -147,11 +148,10 @@ class StateArena:
             view = self.views[r.name]
             yield r, (view[:position] if r.per_token else view)
 
+    def read(self, start: int, end: int):
+        """Host bytes at arena offsets [start, end) (a device-to-host copy on CUDA)."""
+        return self.buffer[start:end].cpu().numpy()
+
     def digest(self, position: int) -> str:
         """blake2b over every region's live bytes, in table order."""
-        h = hashlib.blake2b(digest_size=32)
-        for r in self.regions:
-            raw = self.buffer[r.offset:r.offset + r.live_bytes(position)]
-            if raw.numel():
-                h.update(raw.cpu().numpy())
-        return h.hexdigest()
+        return state_digest(self.regions, position, self.read)

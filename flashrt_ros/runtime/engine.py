@@ -15,11 +15,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..errors import InvalidArgument
+from ..capsule import CapsuleInfo, CapsuleStore, FingerprintMismatch, InvalidCapsuleRequest, Layout
+from ..capsule.errors import CorruptCapsule
+from ..errors import FlashRTError, InvalidArgument
 from . import weights as weights_io
-from .arena import StateArena
+from .arena import GROUPS, StateArena
 from .config import ModelConfig
 from .graph import Step
+from .history import DECODE, PREFILL, STEP, BoundaryLog, RollbackRing
 from .models.qwen35 import Qwen35, state_specs
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,7 @@ log = logging.getLogger(__name__)
 # float64 is there to check the arithmetic itself against a float64 reference.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OPTIONS = {"cuda_graphs": True, "static_shapes": False, "prefill_chunk": 512, "flush_denormal": True,
-            "decode_threads": 1}
+            "decode_threads": 1, "capsule_dir": None, "budgets": None, "spill": True, "rollback_depth": 8}
 
 
 class Engine:
@@ -75,6 +78,17 @@ class Engine:
         self.model.bind(self.arena)
         self.layout_fingerprint = self.arena.layout_fingerprint()
         self._position = 0
+        depth = opts["rollback_depth"]
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise InvalidArgument(f"rollback_depth must be an int >= 1, got {depth!r}")
+        budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
+        budgets.update(opts["budgets"] or {})
+        self.capsules = CapsuleStore(
+            Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
+            self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"])
+        self._log = BoundaryLog()
+        self._ring = RollbackRing(depth, self.arena.fixed_bytes, self.device)
+        self._base = None  # (capsule record, p): live per-token rows [0:p] equal that capsule's
         # 4. warm up + 5. capture graphs (the warm-up writes state, so zero it after)
         self.cuda_graphs = bool(opts["cuda_graphs"]) and self.device.type == "cuda"
         self._fixed_shapes = self.cuda_graphs or bool(opts["static_shapes"])
@@ -92,6 +106,7 @@ class Engine:
                                                    self.model.decode_span(self._position, self._fixed_shapes)),
                     capture=self.cuda_graphs)
             self.arena.buffer.zero_()
+            self._ring.push(self.arena.buffer, 0)
         if self.cuda_graphs:
             torch.cuda.synchronize(self.device)
 
@@ -135,10 +150,14 @@ class Engine:
             return self.arena.digest(self._position)
 
     def reset(self) -> None:
-        """Back to the empty state (position 0), as after construction."""
+        """Back to the empty state (position 0), as after construction. Capsules stay."""
         with self._lock:
             self.arena.buffer.zero_()
             self._position = 0
+            self._log = BoundaryLog()
+            self._ring.clear()
+            self._ring.push(self.arena.buffer, 0)
+            self._base = None
 
     # ---- work ----------------------------------------------------------------------------------
     @contextmanager
@@ -161,12 +180,32 @@ class Engine:
         ids = self._check_tokens(token_ids)
         with self._work():
             self._check_room(ids.numel())
-            ids = ids.to(self.device)
-            for start in range(0, ids.numel(), self._prefill_chunk):
-                chunk = ids[start:start + self._prefill_chunk]
-                self.model.prefill(chunk, self._position)
-                self._position += chunk.numel()
+            self._commit_prefill(ids.to(self.device))
             return self.model.logits()[0].float()
+
+    def _commit_prefill(self, ids: torch.Tensor) -> None:
+        start = self._position
+        for first in range(0, ids.numel(), self._prefill_chunk):
+            chunk = ids[first:first + self._prefill_chunk]
+            self.model.prefill(chunk, self._position)
+            self._position += chunk.numel()
+        self._boundary(PREFILL, start, ids.numel())
+
+    def _commit_token(self) -> None:
+        self._token_step()
+        self._position += 1
+        self._boundary(DECODE, self._position - 1, 1)
+
+    def _commit_step(self, observation: torch.Tensor) -> None:
+        self._obs_in.copy_(observation)
+        self._policy_step()
+        self._position += 1
+        self._boundary(STEP, self._position - 1, 1)
+
+    def _boundary(self, kind: str, start: int, count: int) -> None:
+        """Bookkeeping of one committed boundary: the log run and the ring slot (no KV)."""
+        self._log.append(kind, start, count)
+        self._ring.push(self.arena.buffer, self._position)
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [vocab] of the current state (fp32)."""
@@ -196,8 +235,7 @@ class Engine:
         for i in range(n):
             with self._work(step=True):
                 self._check_room(1)
-                self._token_step()
-                self._position += 1
+                self._commit_token()
                 out[i] = self.model.tokens[self._position - 1]
             if sync_every and (i + 1) % sync_every == 0:
                 yield from out[read:i + 1].tolist()
@@ -220,10 +258,157 @@ class Engine:
             raise InvalidArgument("observation contains NaN or infinity")
         with self._work(step=True):
             self._check_room(1)
-            self._obs_in.copy_(obs)
-            self._policy_step()
-            self._position += 1
+            self._commit_step(obs)
             return self._action_out.cpu().clone()
+
+    # ---- capsules --------------------------------------------------------------------------------
+    def snapshot(self, name: str | None = None, tier: str = "device", pin: bool = False) -> CapsuleInfo:
+        """Capture the whole state at the current committed boundary as a new capsule.
+
+        Per-token rows that the live state shares with the capsule it descends
+        from (the last one restored or taken) are referenced, not copied. The
+        digest is computed in the background; ``capsules.get(id)`` waits for it.
+        """
+        with self._work():
+            record = self.capsules.capture(
+                self.arena.buffer, self._position, name=name, tier=tier, pin=pin,
+                parent=self._base[0].info.id if self._base else "", base=self._base, log_runs=self._log.snapshot())
+            self._base = (record, self._position)
+            return record.info
+
+    def fork(self, source: str | CapsuleInfo | None = None, name: str | None = None) -> CapsuleInfo:
+        """A new capsule branching from ``source`` (a capsule), or from the live state.
+
+        From a capsule it is metadata only: every byte is shared with the source,
+        copy-on-write (capsules are immutable, so nothing is ever written). From
+        the live state it is a snapshot whose parent is the capsule the state
+        descends from.
+        """
+        if source is None or source == "":
+            return self.snapshot(name=name)
+        with self._work():
+            return self.capsules.fork(self.capsules.resolve(source), name).info
+
+    def restore(self, capsule: str | CapsuleInfo, verify: bool = False,
+                regions: Sequence[str] | None = None) -> CapsuleInfo:
+        """Make the capsule's state the live state; a refused restore changes nothing.
+
+        ``verify``: re-hash the capsule's bytes before and the live state after the
+        copy; on a mismatch the previous live state is put back and CorruptCapsule
+        is raised. ``regions`` (groups such as ["kv"]) restores only those groups and
+        sets the position: it exists for ablations, to show what a KV-only restore
+        loses on a hybrid model; the result is not a state any run produced.
+        """
+        with self._work():
+            if isinstance(capsule, CapsuleInfo):
+                self._check_fingerprints(capsule)
+            record = self.capsules.resolve(capsule)
+            self.capsules.check_compatible(record)
+            position = record.info.position
+            if position > self.max_seq_len:
+                raise FingerprintMismatch(f"capsule position {position} exceeds max_seq_len={self.max_seq_len}")
+            if regions is not None:
+                return self._restore_groups(record, list(regions), verify)
+            backup = None
+            if verify:
+                self.capsules.verify(record)
+                backup = self.arena.buffer.clone()
+            fixed, release = self.capsules.write_back(record, self.arena.buffer)
+            if verify and self.arena.digest(position) != record.info.digest:
+                self.arena.buffer.copy_(backup)
+                if release:
+                    release()
+                raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
+            self._position = position
+            self._log = BoundaryLog(record.log)
+            self._ring.clear()
+            self._ring.borrow(fixed, position, release)
+            self._base = (record, position)
+            return record.info
+
+    def _restore_groups(self, record, groups: list[str], verify: bool) -> CapsuleInfo:
+        unknown = sorted(set(groups) - set(GROUPS))
+        if unknown or not groups:
+            raise InvalidCapsuleRequest(f"regions must name groups among {list(GROUPS)}, got {groups}")
+        if verify:
+            raise InvalidCapsuleRequest("verify needs a full restore (regions=None)")
+        _, release = self.capsules.write_back(record, self.arena.buffer, groups)
+        if release:
+            release()
+        self._position = record.info.position
+        self.model.position.fill_(self._position)
+        self._log = BoundaryLog(record.log)
+        self._ring.clear()
+        self._ring.push(self.arena.buffer, self._position)
+        self._base = None
+        return record.info
+
+    def rollback(self, steps: int = 1, to_position: int | None = None) -> int:
+        """Go back ``steps`` committed boundaries, or exactly to token position ``to_position``.
+
+        Steps come from the ring (fixed-size regions only; KV is append-only, so
+        only the position moves back there). ``to_position`` restores the newest
+        kept boundary at or before it, then replays the logged inputs up to it.
+        Returns the new position.
+        """
+        with self._work():
+            if to_position is not None:
+                return self._rollback_to(to_position)
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise InvalidArgument(f"steps must be an int >= 0, got {steps!r}")
+            kept = len(self._ring.entries) - 1
+            if steps > kept:
+                raise InvalidArgument(f"cannot roll back {steps} boundaries: {kept} are kept "
+                                      f"(rollback_depth={self._ring.depth})")
+            if steps:
+                self._go_back(steps)
+            return self._position
+
+    def _go_back(self, steps: int) -> None:
+        entry = self._ring.back(steps)
+        self.arena.buffer[:entry.fixed.numel()].copy_(entry.fixed, non_blocking=True)
+        self._position = entry.position
+        self._log.truncate(entry.position)
+        if self._base is not None:
+            self._base = (self._base[0], min(self._base[1], entry.position))
+
+    def _rollback_to(self, target: int) -> int:
+        if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target <= self._position:
+            raise InvalidArgument(f"to_position must be an int in [0, {self._position}], got {target!r}")
+        logged = BoundaryLog(self._log.snapshot())
+        tokens = self.model.tokens[:target].tolist()
+        observations = None if self.model.observations is None else self.model.observations[:target].clone()
+        back = self._ring.newest_at_or_before(target)
+        if back is not None:
+            self._go_back(back)
+        else:  # older than the ring: start from the empty state; the history rows stay
+            self.arena.buffer[:self.arena.fixed_bytes].zero_()
+            self._position = 0
+            self._log = BoundaryLog()
+            self._ring.clear()
+            self._ring.push(self.arena.buffer, 0)
+            self._base = None if self._base is None else (self._base[0], 0)
+        for kind, start, count in logged.between(self._position, target):
+            self._replay(kind, start, count, tokens, observations)
+        if self.model.tokens[:target].tolist() != tokens:
+            raise FlashRTError(f"replay to position {target} did not reproduce the logged tokens")
+        return self._position
+
+    def _replay(self, kind: str, start: int, count: int, tokens: list[int], observations) -> None:
+        if kind == PREFILL:
+            self._commit_prefill(torch.tensor(tokens[start:start + count], device=self.device))
+        elif kind == DECODE:
+            for _ in range(count):
+                self._commit_token()
+        else:
+            for row in range(start, start + count):
+                self._commit_step(observations[row])
+
+    def _check_fingerprints(self, info: CapsuleInfo) -> None:
+        if info.model_fingerprint != self.model_fingerprint or info.layout_fingerprint != self.layout_fingerprint:
+            raise FingerprintMismatch(
+                f"capsule {info.id} belongs to model {info.model_fingerprint} / layout {info.layout_fingerprint}; "
+                f"this engine is {self.model_fingerprint} / {self.layout_fingerprint}")
 
     # ---- checks --------------------------------------------------------------------------------
     def _check_tokens(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

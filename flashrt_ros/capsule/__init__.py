@@ -1,0 +1,12 @@
+"""Capsules: the whole execution state as immutable, verifiable snapshots. No ROS imports.
+
+This layer sees the arena only as a region table and a byte buffer; the
+engine (``flashrt_ros.runtime.engine``) drives it at committed boundaries.
+"""
+from .errors import (BudgetExceeded, CapsuleError, CapsuleIOError, CorruptCapsule, FingerprintMismatch,
+                     InvalidCapsuleRequest, UnknownCapsule)
+from .info import TIERS, CapsuleInfo
+from .store import CapsuleStore, Layout
+
+__all__ = ["BudgetExceeded", "CapsuleError", "CapsuleIOError", "CapsuleInfo", "CapsuleStore", "CorruptCapsule",
+           "FingerprintMismatch", "InvalidCapsuleRequest", "Layout", "TIERS", "UnknownCapsule"]

@@ -1,0 +1,84 @@
+"""The on-disk capsule: one safetensors file, verified when read.
+
+The file holds one uint8 tensor, ``state``: the capsule's live bytes, range
+after range, and a JSON header under the metadata key ``flashrt_capsule``
+(ids, fingerprints, digest, region table, ranges). It is written to a temp
+file, fsynced, renamed into place and the folder fsynced, so a crash leaves
+either the old set of files or the new one. The file name comes from the
+capsule id, never from its user-given name. No pickle anywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .errors import CapsuleIOError, CorruptCapsule
+
+SUFFIX = ".capsule"
+VERSION = 1
+_KEY = "flashrt_capsule"
+
+
+def path_for(folder: Path, capsule_id: str) -> Path:
+    return folder / f"{capsule_id}{SUFFIX}"
+
+
+def write(path: Path, header: dict, data: torch.Tensor) -> None:
+    """Atomically write ``data`` (uint8, host) with ``header``; raises CapsuleIOError."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file({"state": data.contiguous()}, str(tmp), metadata={_KEY: json.dumps({"version": VERSION, **header})})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CapsuleIOError(f"cannot write capsule {path.name}: {exc.strerror or exc}") from None
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header, checked for shape; raises CorruptCapsule or CapsuleIOError."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if list(f.keys()) != ["state"]:
+                raise CorruptCapsule(f"{path.name}: expected one tensor 'state', found {list(f.keys())[:4]}")
+            shape = f.get_slice("state").get_shape()
+            dtype = f.get_slice("state").get_dtype()
+    except SafetensorError as exc:
+        raise CorruptCapsule(f"{path.name}: not a readable safetensors file ({exc})") from None
+    except OSError as exc:
+        raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(meta[_KEY])
+    except (KeyError, ValueError) as exc:
+        raise CorruptCapsule(f"{path.name}: missing or malformed capsule header ({exc})") from None
+    if not isinstance(header, dict) or header.get("version") != VERSION:
+        raise CorruptCapsule(f"{path.name}: unsupported capsule header version {header.get('version') if isinstance(header, dict) else None!r}")
+    ranges = header.get("ranges")
+    if (dtype != "U8" or len(shape) != 1 or not isinstance(ranges, list)
+            or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] <= r[1]
+                       for r in ranges)
+            or sum(e - s for s, e in ranges) != shape[0]):
+        raise CorruptCapsule(f"{path.name}: header ranges do not describe the stored bytes")
+    return header
+
+
+def read_data(path: Path) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor("state")
+    except SafetensorError as exc:
+        raise CorruptCapsule(f"{path.name}: unreadable capsule data ({exc})") from None
+    except OSError as exc:
+        raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None

@@ -1,0 +1,34 @@
+"""Capsule errors: each carries the ``ErrorCode`` the ROS layer answers with."""
+from __future__ import annotations
+
+from ..errors import ErrorCode, FlashRTError
+
+
+class CapsuleError(FlashRTError):
+    """Base of every capsule refusal. The live state is untouched when one is raised."""
+
+    code = ErrorCode.INTERNAL
+
+
+class UnknownCapsule(CapsuleError):
+    code = ErrorCode.UNKNOWN_CAPSULE
+
+
+class InvalidCapsuleRequest(CapsuleError, ValueError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class FingerprintMismatch(CapsuleError):
+    code = ErrorCode.FINGERPRINT_MISMATCH
+
+
+class CorruptCapsule(CapsuleError):
+    code = ErrorCode.CORRUPT_CAPSULE
+
+
+class BudgetExceeded(CapsuleError):
+    code = ErrorCode.BUDGET_EXCEEDED
+
+
+class CapsuleIOError(CapsuleError):
+    code = ErrorCode.IO_ERROR

@@ -1,0 +1,64 @@
+"""What a capsule is, seen from outside: immutable metadata.
+
+The bytes live in a tier (see ``store``); this record is what lists, events
+and services show, and what a restore checks before it copies anything.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from .errors import InvalidCapsuleRequest
+
+TIERS = ("device", "host", "disk")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+class RegionLike(Protocol):
+    """The arena region fields a capsule needs (``runtime.arena.Region`` has them)."""
+
+    name: str
+    group: str
+    offset: int
+    nbytes: int
+    per_token: bool
+
+    @property
+    def row_bytes(self) -> int: ...
+
+    def live_bytes(self, position: int) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CapsuleInfo:
+    id: str
+    name: str
+    parent: str
+    position: int
+    nbytes: int                 # bytes this capsule holds of its own (shared prefixes not counted)
+    tier: str
+    pinned: bool
+    created: float              # seconds since the epoch
+    model_fingerprint: str
+    layout_fingerprint: str
+    digest: str                 # blake2b of the live bytes; "" while it is still being computed
+    history_hash: str           # blake2b of the token and observation history; "" while pending
+    region_table: tuple[dict, ...]
+
+
+def check_name(name: str | None) -> str:
+    """Names are labels, never paths: letters, digits, '_', '.', '-', at most 128, no '..'."""
+    if name is None or name == "":
+        return ""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        shown = name if isinstance(name, str) and len(name) < 80 else f"{str(name)[:77]}..."
+        raise InvalidCapsuleRequest(
+            f"invalid capsule name {shown!r}: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit, no '..'")
+    return name
+
+
+def check_tier(tier: str) -> str:
+    if tier not in TIERS:
+        raise InvalidCapsuleRequest(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
+    return tier

@@ -1,0 +1,64 @@
+"""Where capsule bytes live in memory: the device pool and host buffers.
+
+The device tier is ONE buffer allocated when the engine starts; snapshots
+carve chunks out of it with a first-fit free list, so the snapshot path
+never calls the allocator. Host chunks are separate buffers, pinned when
+CUDA is present so that copies to and from the device are DMA transfers.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+_ALIGN = 256
+
+
+class Chunk:
+    """An immutable run of bytes shared by the capsules that reference it."""
+
+    __slots__ = ("tier", "data", "offset", "refs")
+
+    def __init__(self, tier: str, data: torch.Tensor, offset: int = -1) -> None:
+        self.tier, self.data, self.offset, self.refs = tier, data, offset, 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+class DevicePool:
+    """A fixed buffer with first-fit allocation; ``allocate`` returns None when nothing fits."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []   # sorted (offset, size)
+
+    def allocate(self, nbytes: int) -> Chunk | None:
+        size = max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                return Chunk("device", self.buffer[offset:offset + nbytes], offset)
+        return None
+
+    def release(self, chunk: Chunk) -> None:
+        size = max(_ALIGN, (chunk.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+        i = bisect.bisect(self._free, (chunk.offset, size))
+        self._free.insert(i, (chunk.offset, size))
+        # Merge with the right, then the left neighbour, so free space stays in few runs.
+        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
+            self._free[i] = (self._free[i][0], self._free[i][1] + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free.pop(i)[1])
+
+    def largest_free(self) -> int:
+        return max((size for _, size in self._free), default=0)
+
+
+def host_chunk(nbytes: int, pin: bool) -> Chunk:
+    return Chunk("host", torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))

@@ -1,0 +1,519 @@
+"""The capsule store: capsules in three tiers, with budgets, LRU spill, sharing and integrity.
+
+A capsule is a list of pieces, each mapping an arena byte range onto bytes
+of a chunk. Chunks are immutable and reference-counted, so a fork or a
+snapshot that extends an earlier capsule's token prefix points at the
+earlier chunk instead of copying it: N branches of a P-token prefix cost
+about P + N * delta bytes. Digests are computed off the snapshot path by
+one background thread, from the capsule's own immutable copy.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..digest import history_digest, state_digest
+from . import diskformat
+from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
+                     UnknownCapsule)
+from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier
+from .memory import Chunk, DevicePool, host_chunk
+
+log = logging.getLogger(__name__)
+
+_LOWER = {"device": "host", "host": "disk", "disk": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What the store knows of the arena: regions and byte ranges, never layers."""
+
+    regions: tuple[RegionLike, ...]
+    fixed_bytes: int
+    fingerprint: str
+    table: tuple[dict, ...]
+
+    def ranges(self, position: int, start_position: int = 0) -> list[tuple[int, int]]:
+        """The fixed block plus, for each per-token region, rows [start_position, position)."""
+        out = [(0, self.fixed_bytes)]
+        for r in self.regions:
+            if r.per_token and position > start_position:
+                out.append((r.offset + start_position * r.row_bytes, r.offset + position * r.row_bytes))
+        return out
+
+    def group_ranges(self, position: int, groups: Iterable[str]) -> list[tuple[int, int]]:
+        wanted = set(groups)
+        return [(r.offset, r.offset + r.live_bytes(position)) for r in self.regions if r.group in wanted]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Arena bytes [start, end) are ``chunk.data[offset : offset + end - start]``."""
+
+    start: int
+    end: int
+    chunk: Chunk
+    offset: int
+
+    def view(self, start: int | None = None, end: int | None = None) -> torch.Tensor:
+        s, e = self.start if start is None else start, self.end if end is None else end
+        return self.chunk.data[self.offset + s - self.start:self.offset + e - self.start]
+
+
+class Record:
+    """A capsule inside the store: its info, where its bytes are, and its boundary log."""
+
+    __slots__ = ("info", "pieces", "log", "last_used", "hashed", "path")
+
+    def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
+        self.info, self.pieces, self.log, self.path = info, pieces, log_runs, path
+        self.last_used = time.monotonic()
+        self.hashed = threading.Event()
+
+    def pieces_in(self, start: int, end: int) -> list[Piece]:
+        return _slice(self.pieces, start, end)
+
+
+def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
+    """Sub-pieces covering arena bytes [start, end) (possibly none)."""
+    out = []
+    for p in pieces:
+        s, e = max(p.start, start), min(p.end, end)
+        if s < e:
+            out.append(Piece(s, e, p.chunk, p.offset + s - p.start))
+    return out
+
+
+class CapsuleStore:
+    """Capsules by id and name; ``used_bytes`` and ``budget_bytes`` per tier."""
+
+    def __init__(self, layout: Layout, model_fingerprint: str, device: torch.device,
+                 budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
+                 on_event: Callable[[str, CapsuleInfo], None] | None = None) -> None:
+        unknown = sorted(set(budgets) - set(TIERS))
+        if unknown:
+            raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
+        for tier, value in budgets.items():
+            if not isinstance(value, int) or value < 0:
+                raise InvalidCapsuleRequest(f"budget for {tier} must be an int >= 0, got {value!r}")
+        self.layout, self.model_fingerprint, self.device = layout, model_fingerprint, device
+        self.spill = spill
+        self._budgets = dict(budgets)
+        self._used = {t: 0 for t in TIERS}
+        self._records: dict[str, Record] = {}
+        self._lock = threading.RLock()
+        self._listeners: list[Callable[[str, CapsuleInfo], None]] = [on_event] if on_event else []
+        self._pin_host = device.type == "cuda"
+        self.pool = DevicePool(self._budgets.get("device", 0), device)
+        self.dir = Path(capsule_dir) if capsule_dir else None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._hash_worker, name="capsule-digest", daemon=True).start()
+        if self.dir is not None:
+            self._load_disk()
+
+    # ---- public queries ------------------------------------------------------------------------
+    def subscribe(self, listener: Callable[[str, CapsuleInfo], None]) -> None:
+        """``listener(kind, info)`` for every capsule event: snapshot, fork, drop, spill, evict."""
+        self._listeners.append(listener)
+
+    def list(self, tier: str | None = None) -> list[CapsuleInfo]:
+        with self._lock:
+            return [r.info for r in self._records.values() if tier in (None, "", r.info.tier)]
+
+    def get(self, ref: str | CapsuleInfo, wait: bool = True, timeout: float = 30.0) -> CapsuleInfo:
+        """The capsule's info; with ``wait`` its digest is filled in first."""
+        record = self.resolve(ref)
+        if wait:
+            record.hashed.wait(timeout)
+        return record.info
+
+    def used_bytes(self, tier: str) -> int:
+        return self._used[check_tier(tier)]
+
+    def budget_bytes(self, tier: str) -> int:
+        return self._budgets.get(check_tier(tier), 0)
+
+    def resolve(self, ref: str | CapsuleInfo) -> Record:
+        key = ref.id if isinstance(ref, CapsuleInfo) else ref
+        if not isinstance(key, str) or not key:
+            raise InvalidCapsuleRequest(f"a capsule is named by a non-empty id or name, got {key!r}")
+        with self._lock:
+            record = self._records.get(key)
+            if record is None:
+                record = next((r for r in self._records.values() if r.info.name == key), None)
+        if record is None:
+            shown = key if len(key) < 80 else f"{key[:77]}..."
+            raise UnknownCapsule(f"no capsule with id or name {shown!r}")
+        return record
+
+    def drop(self, ref: str | CapsuleInfo) -> CapsuleInfo:
+        with self._lock:
+            record = self.resolve(ref)
+            self._remove(record)
+        self._emit("drop", record.info)
+        return record.info
+
+    # ---- capture ---------------------------------------------------------------------------------
+    def capture(self, buffer: torch.Tensor, position: int, *, name: str | None, tier: str, pin: bool,
+                parent: str, base: tuple[Record, int] | None, log_runs: tuple) -> Record:
+        """Copy the live state out of ``buffer`` into a new capsule.
+
+        ``base`` = (record, p): the live per-token rows [0:p] are byte-equal to
+        that record's, so they are referenced instead of copied.
+        """
+        name = check_name(name)
+        check_tier(tier)
+        with self._lock:
+            if name and any(r.info.name == name for r in self._records.values()):
+                raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
+            if tier == "disk":
+                return self._capture_disk(buffer, position, name, pin, parent, log_runs)
+            shared: list[Piece] = []
+            start = 0
+            if base is not None and base[0].info.id in self._records and base[0].info.tier == tier:
+                start = min(base[1], position)
+                for r in self.layout.regions:
+                    if r.per_token and start:
+                        shared += base[0].pieces_in(r.offset, r.offset + start * r.row_bytes)
+            ranges = self.layout.ranges(position, start)
+            need = sum(e - s for s, e in ranges)
+            chunk = self._allocate(tier, need)
+            pieces = _pieces_over(chunk, ranges)
+            for p in pieces:
+                p.view().copy_(buffer[p.start:p.end], non_blocking=True)
+            pieces = sorted(shared + pieces, key=lambda p: p.start)
+            record = self._register(pieces, position, name, tier, pin, parent, need, log_runs)
+        self._emit("snapshot", record.info)
+        return record
+
+    def fork(self, source: Record, name: str | None) -> Record:
+        """A new capsule with the same bytes as ``source``: metadata only, every chunk shared."""
+        name = check_name(name)
+        with self._lock:
+            if name and any(r.info.name == name for r in self._records.values()):
+                raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
+            if source.info.tier == "disk":
+                data, ranges = self._read_disk(source)
+                chunk = self._allocate("host", data.numel())
+                chunk.data.copy_(data)
+                pieces, tier, nbytes = _pieces_over(chunk, ranges), "host", data.numel()
+            else:
+                pieces, tier, nbytes = list(source.pieces), source.info.tier, 0
+            record = self._register(pieces, source.info.position, name, tier, False, source.info.id, nbytes,
+                                    source.log)
+        self._emit("fork", record.info)
+        return record
+
+    # ---- restore ---------------------------------------------------------------------------------
+    def check_compatible(self, record: Record) -> None:
+        info = record.info
+        if info.model_fingerprint != self.model_fingerprint:
+            raise FingerprintMismatch(
+                f"capsule {info.id} was taken from model {info.model_fingerprint}, this engine runs "
+                f"{self.model_fingerprint}")
+        if info.layout_fingerprint != self.layout.fingerprint:
+            raise FingerprintMismatch(
+                f"capsule {info.id} has arena layout {info.layout_fingerprint}, this engine has "
+                f"{self.layout.fingerprint} (other max_seq_len, dtype or model shape)")
+
+    def verify(self, record: Record) -> None:
+        """Re-hash the capsule's stored bytes; CorruptCapsule if they no longer match its digest."""
+        record.hashed.wait()
+        if record.info.tier == "disk":
+            self._read_disk(record)  # verifies on read
+            return
+        actual = state_digest(self.layout.regions, record.info.position, lambda s, e: self._read(record, s, e))
+        if actual != record.info.digest:
+            raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
+
+    def write_back(self, record: Record, buffer: torch.Tensor,
+                   groups: Sequence[str] | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Copy the capsule's bytes (only ``groups``, when given) into ``buffer``.
+
+        Everything that can fail (reading and verifying a disk capsule) happens
+        before the first byte of ``buffer`` changes. Returns the capsule's
+        fixed-size block, lent to the caller until it calls the release function
+        (None: nothing to give back), so rollback can start from it without a copy.
+        """
+        with self._lock:
+            if record.info.tier == "disk":
+                data, ranges = self._read_disk(record)
+                pieces = _pieces_over(Chunk("disk", data), ranges)
+            else:
+                pieces = record.pieces
+            fixed = _slice(pieces, 0, self.layout.fixed_bytes)
+            if groups is not None:
+                wanted = self.layout.group_ranges(record.info.position, groups)
+                pieces = [q for s, e in wanted for q in _slice(pieces, s, e)]
+            for p in pieces:
+                buffer[p.start:p.end].copy_(p.view(), non_blocking=True)
+            record.last_used = time.monotonic()
+            if len(fixed) != 1:
+                return torch.cat([p.view() for p in fixed]), None
+            if fixed[0].chunk.tier == "disk":
+                return fixed[0].view(), None
+            fixed[0].chunk.refs += 1
+        return fixed[0].view(), lambda: self._give_back(fixed)
+
+    def _give_back(self, pieces: list[Piece]) -> None:
+        with self._lock:
+            self._release(pieces)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _register(self, pieces: list[Piece], position: int, name: str, tier: str, pin: bool, parent: str,
+                  nbytes: int, log_runs: tuple) -> Record:
+        info = CapsuleInfo(
+            id=secrets.token_hex(8), name=name, parent=parent, position=position, nbytes=nbytes, tier=tier,
+            pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
+            layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
+        for p in {id(p.chunk): p.chunk for p in pieces}.values():
+            p.refs += 1
+        record = Record(info, pieces, log_runs)
+        self._records[info.id] = record
+        self._hold(record)
+        self._jobs.put(record)
+        return record
+
+    def _hold(self, record: Record) -> None:
+        # The digest job keeps the chunks alive even if the capsule is dropped meanwhile.
+        for chunk in {id(p.chunk): p.chunk for p in record.pieces}.values():
+            chunk.refs += 1
+
+    def _release(self, pieces: list[Piece]) -> None:
+        for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
+            chunk.refs -= 1
+            if chunk.refs == 0:
+                self._used[chunk.tier] -= chunk.nbytes
+                if chunk.tier == "device":
+                    self.pool.release(chunk)
+
+    def _hash_worker(self) -> None:
+        while True:
+            record = self._jobs.get()
+            try:
+                read = lambda s, e, r=record: self._read(r, s, e)  # noqa: E731
+                digest = state_digest(self.layout.regions, record.info.position, read)
+                history = history_digest(self.layout.regions, record.info.position, read)
+                with self._lock:
+                    record.info = replace(record.info, digest=digest, history_hash=history)
+            except Exception:  # a digest failure must never kill the worker
+                log.exception("digest of capsule %s failed", record.info.id)
+            finally:
+                with self._lock:
+                    self._release(record.pieces)
+                record.hashed.set()
+
+    def _read(self, record: Record, start: int, end: int):
+        parts = [p.view().cpu().numpy() for p in record.pieces_in(start, end)]
+        if sum(p.size for p in parts) != end - start:
+            raise CorruptCapsule(f"capsule {record.info.id} does not cover arena bytes [{start}, {end})")
+        return parts[0] if len(parts) == 1 else b"".join(p.tobytes() for p in parts)
+
+    def _allocate(self, tier: str, nbytes: int) -> Chunk:
+        self._make_room(tier, nbytes)
+        if tier == "device":
+            chunk = self.pool.allocate(nbytes)
+            if chunk is None:
+                raise BudgetExceeded(f"device tier: no {nbytes} contiguous bytes left in the pool")
+        else:
+            chunk = host_chunk(nbytes, self._pin_host)
+        self._used[tier] += chunk.nbytes
+        return chunk
+
+    def _fits(self, tier: str, nbytes: int) -> bool:
+        if tier == "device":
+            return self.pool.largest_free() >= nbytes
+        return self._used[tier] + nbytes <= self._budgets.get(tier, 0)
+
+    def _make_room(self, tier: str, nbytes: int) -> None:
+        if self._fits(tier, nbytes):
+            return
+        budget = self._budgets.get(tier, 0)
+        if nbytes > budget:
+            raise BudgetExceeded(f"{tier} tier: a {nbytes}-byte capsule exceeds the whole budget of {budget} bytes")
+        if not self.spill:
+            raise BudgetExceeded(
+                f"{tier} tier: {nbytes} more bytes exceed the budget ({self._used[tier]} of {budget} used); "
+                f"spill is off")
+        victims = sorted((r for r in self._records.values() if r.info.tier == tier and not r.info.pinned),
+                         key=lambda r: r.last_used)
+        for victim in victims:
+            if self._fits(tier, nbytes):
+                return
+            self._demote(victim)
+        if not self._fits(tier, nbytes):
+            raise BudgetExceeded(
+                f"{tier} tier: {nbytes} bytes do not fit even after spilling every unpinned capsule "
+                f"({self._used[tier]} of {budget} used)")
+
+    def _demote(self, record: Record) -> None:
+        """Move a capsule one tier down (device -> host -> disk), or drop it from the last tier."""
+        lower = _LOWER[record.info.tier]
+        if lower is None or (lower == "disk" and self.dir is None):
+            self._remove(record)
+            self._emit("evict", record.info)
+            return
+        record.hashed.wait()
+        data = torch.cat([p.view().cpu() for p in record.pieces]) if record.pieces else None
+        ranges = [(p.start, p.end) for p in record.pieces]
+        old = record.pieces
+        if lower == "host":
+            chunk = self._allocate("host", data.numel())
+            chunk.data.copy_(data)
+            chunk.refs += 1
+            record.pieces = _pieces_over(chunk, ranges)
+            record.info = replace(record.info, tier="host", nbytes=data.numel())
+        else:
+            record.path = self._write_disk(record.info, ranges, data, record.log)
+            record.pieces = []
+            record.info = replace(record.info, tier="disk", nbytes=data.numel())
+        self._release(old)
+        self._emit("spill", record.info)
+
+    def _remove(self, record: Record) -> None:
+        del self._records[record.info.id]
+        self._release(record.pieces)
+        record.pieces = []
+        if record.path is not None:
+            self._used["disk"] -= record.info.nbytes
+            record.path.unlink(missing_ok=True)
+
+    def _emit(self, kind: str, info: CapsuleInfo) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(kind, info)
+            except Exception:  # a listener must not break the store
+                log.exception("capsule event listener failed")
+
+    # ---- disk tier -------------------------------------------------------------------------------
+    def _require_dir(self) -> Path:
+        if self.dir is None:
+            raise InvalidCapsuleRequest("the disk tier needs a capsule_dir")
+        return self.dir
+
+    def _capture_disk(self, buffer: torch.Tensor, position: int, name: str, pin: bool, parent: str,
+                      log_runs: tuple) -> Record:
+        self._require_dir()
+        ranges = self.layout.ranges(position)
+        data = torch.cat([buffer[s:e].cpu() for s, e in ranges])
+        info = CapsuleInfo(
+            id=secrets.token_hex(8), name=name, parent=parent, position=position, nbytes=data.numel(), tier="disk",
+            pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
+            layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
+        read = _range_reader(ranges, data)
+        info = replace(info, digest=state_digest(self.layout.regions, position, read),
+                       history_hash=history_digest(self.layout.regions, position, read))
+        self._make_room("disk", data.numel())
+        path = self._write_disk(info, ranges, data, log_runs)
+        record = Record(info, [], log_runs, path)
+        record.hashed.set()
+        self._records[info.id] = record
+        self._emit("snapshot", info)
+        return record
+
+    def _write_disk(self, info: CapsuleInfo, ranges: list[tuple[int, int]], data: torch.Tensor,
+                    log_runs: tuple) -> Path:
+        folder = self._require_dir()
+        self._make_room("disk", data.numel())
+        header = {k: v for k, v in _info_fields(info).items()}
+        header |= {"ranges": [list(r) for r in ranges], "log": [list(run) for run in log_runs]}
+        path = diskformat.path_for(folder, info.id)
+        diskformat.write(path, header, data)
+        self._used["disk"] += data.numel()
+        return path
+
+    def _read_disk(self, record: Record) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Read and verify a disk capsule's bytes before anyone uses them."""
+        header = diskformat.read_header(record.path)
+        data = diskformat.read_data(record.path)
+        ranges = [tuple(r) for r in header["ranges"]]
+        actual = state_digest(self.layout.regions, record.info.position, _range_reader(ranges, data))
+        if actual != record.info.digest or header.get("digest") != record.info.digest:
+            raise CorruptCapsule(f"capsule {record.info.id}: file {record.path.name} does not match its digest")
+        return data, ranges
+
+    def _load_disk(self) -> None:
+        folder = self.dir
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in folder.glob(f".*{diskformat.SUFFIX}.tmp"):
+                stale.unlink(missing_ok=True)   # debris of an interrupted write: never a capsule
+            files = sorted(folder.glob(f"*{diskformat.SUFFIX}"))
+        except OSError as exc:
+            raise CapsuleIOError(f"capsule_dir {folder}: {exc.strerror or exc}") from None
+        for path in files:
+            try:
+                header = diskformat.read_header(path)
+                info = _info_from_header(header, self.layout.table)
+                record = Record(info, [], tuple(tuple(run) for run in header.get("log", [])), path)
+                self.check_compatible(record)
+                if path.name != diskformat.path_for(folder, info.id).name or info.id in self._records:
+                    raise CorruptCapsule(f"{path.name}: file name does not match capsule id {info.id!r}")
+                self._read_disk(record)
+            except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
+                log.warning("skipping capsule file %s: %s", path.name, exc)
+                continue
+            record.hashed.set()
+            self._records[info.id] = record
+            self._used["disk"] += info.nbytes
+
+
+def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]:
+    """Pieces for ``ranges`` laid end to end in ``chunk``."""
+    pieces, offset = [], 0
+    for s, e in ranges:
+        pieces.append(Piece(s, e, chunk, offset))
+        offset += e - s
+    return pieces
+
+
+def _range_reader(ranges: Sequence[tuple[int, int]], data: torch.Tensor) -> Callable[[int, int], object]:
+    starts, offset = [], 0
+    for s, e in ranges:
+        starts.append((s, e, offset))
+        offset += e - s
+    array = data.numpy()
+
+    def read(start: int, end: int):
+        parts = []
+        for s, e, off in starts:
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                parts.append(array[off + lo - s:off + hi - s])
+        if sum(p.size for p in parts) != end - start:
+            raise CorruptCapsule(f"capsule data does not cover arena bytes [{start}, {end})")
+        return parts[0] if len(parts) == 1 else b"".join(p.tobytes() for p in parts)
+    return read
+
+
+_INFO_KEYS = ("id", "name", "parent", "position", "nbytes", "tier", "pinned", "created", "model_fingerprint",
+              "layout_fingerprint", "digest", "history_hash")
+
+
+def _info_fields(info: CapsuleInfo) -> dict:
+    return {k: getattr(info, k) for k in _INFO_KEYS} | {"region_table": list(info.region_table)}
+
+
+def _info_from_header(header: dict, table: tuple[dict, ...]) -> CapsuleInfo:
+    try:
+        fields = {k: header[k] for k in _INFO_KEYS}
+        types = {"position": int, "nbytes": int, "pinned": bool, "created": (int, float)}
+        for key, value in fields.items():
+            if not isinstance(value, types.get(key, str)):
+                raise CorruptCapsule(f"capsule header field {key!r} has the wrong type")
+        if fields["position"] < 0:
+            raise CorruptCapsule("capsule header has a negative position")
+        check_name(fields["name"])
+        if tuple(header["region_table"]) != table:
+            raise FingerprintMismatch("capsule region table differs from this engine's arena")
+    except (KeyError, TypeError, InvalidCapsuleRequest) as exc:
+        raise CorruptCapsule(f"capsule header is malformed ({exc})") from None
+    return CapsuleInfo(**{**fields, "tier": "disk"}, region_table=table)

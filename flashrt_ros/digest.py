@@ -1,0 +1,33 @@
+"""The one definition of a state digest, shared by the live arena and capsules.
+
+blake2b-256 over each region's live bytes in region-table order; per-token
+regions count only their first ``position`` rows. Two states with equal
+digests are byte-identical wherever it matters.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Iterable, Protocol
+
+
+class _Region(Protocol):
+    offset: int
+    group: str
+
+    def live_bytes(self, position: int) -> int: ...
+
+
+def state_digest(regions: Iterable[_Region], position: int, read: Callable[[int, int], object]) -> str:
+    """``read(start, end)`` returns a buffer with the bytes at arena offsets [start, end)."""
+    h = hashlib.blake2b(digest_size=32)
+    for r in regions:
+        n = r.live_bytes(position)
+        if n:
+            h.update(read(r.offset, r.offset + n))
+    return h.hexdigest()
+
+
+def history_digest(regions: Iterable[_Region], position: int, read: Callable[[int, int], object]) -> str:
+    """blake2b over the input history only (token ids and observations): what was fed, not what it did."""
+    return state_digest([r for r in regions if getattr(r, "name", "") in ("meta.tokens", "meta.observations")],
+                        position, read)

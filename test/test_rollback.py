@@ -1,0 +1,80 @@
+"""Rollback: k boundaries back equals stopping k boundaries earlier; to_position equals a cold run."""
+from __future__ import annotations
+
+import pytest
+
+from flashrt_ros.errors import ErrorCode, InvalidArgument
+from flashrt_ros.runtime import Engine, ModelConfig
+
+PROMPT = list(b"The gripper closes on the handle. ")
+
+
+def test_rollback_steps_continues_like_the_run_that_stopped_earlier(tiny_engine):
+    reference = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    reference.prefill(PROMPT)
+    reference.generate(10)
+    tiny_engine.prefill(PROMPT)
+    tiny_engine.generate(13)
+    assert tiny_engine.rollback(steps=3) == reference.position
+    assert tiny_engine.state_digest() == reference.state_digest()
+    assert tiny_engine.generate(20) == reference.generate(20)
+
+
+def test_rollback_to_a_position_inside_the_prompt_equals_a_cold_prefill(tiny_engine):
+    tiny_engine.prefill(PROMPT)
+    tiny_engine.generate(30)
+    assert tiny_engine.rollback(to_position=20) == 20
+    cold = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    cold.prefill(PROMPT[:20])
+    assert tiny_engine.state_digest() == cold.state_digest()
+    assert tiny_engine.generate(16) == cold.generate(16)
+
+
+def test_rollback_to_a_position_older_than_the_ring_replays_the_logged_inputs():
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, rollback_depth=2)
+    engine.prefill(PROMPT)
+    engine.generate(12)
+    cold = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    cold.prefill(PROMPT)
+    cold.generate(4)
+    assert engine.rollback(to_position=len(PROMPT) + 4) == cold.position
+    assert engine.state_digest() == cold.state_digest()
+    assert engine.generate(8) == cold.generate(8)
+
+
+def test_rollback_after_restore_reaches_back_to_the_capsule(tiny_engine):
+    tiny_engine.prefill(PROMPT)
+    capsule = tiny_engine.snapshot()
+    tiny_engine.generate(5)
+    tiny_engine.restore(capsule)
+    tiny_engine.generate(3)
+    assert tiny_engine.rollback(steps=3) == capsule.position
+    assert tiny_engine.state_digest() == tiny_engine.capsules.get(capsule.id).digest
+
+
+def test_policy_steps_roll_back_and_replay():
+    cfg = ModelConfig.tiny(obs_dim=4, action_dim=2)
+    engine, cold = Engine.from_config(cfg, max_seq_len=128, rollback_depth=2), Engine.from_config(cfg, max_seq_len=128)
+    observations = [[0.1 * i, -0.2 * i, 0.3, 1.0] for i in range(10)]
+    actions = [engine.step(o) for o in observations]
+    for o in observations[:6]:
+        cold.step(o)
+    assert engine.rollback(to_position=6) == 6
+    assert engine.state_digest() == cold.state_digest()
+    assert engine.step(observations[6]).tolist() == actions[6].tolist()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"steps": -1}, "int >= 0"),
+    ({"steps": 9}, "rollback_depth=8"),
+    ({"to_position": 10_000}, "to_position must be"),
+    ({"to_position": -2}, "to_position must be"),
+])
+def test_bad_rollbacks_are_refused_and_change_nothing(tiny_engine, kwargs, words):
+    tiny_engine.prefill(PROMPT)
+    tiny_engine.generate(12)
+    before = tiny_engine.state_digest()
+    with pytest.raises(InvalidArgument, match=words) as info:
+        tiny_engine.rollback(**kwargs)
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert tiny_engine.state_digest() == before
