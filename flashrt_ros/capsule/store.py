@@ -97,7 +97,8 @@ class CapsuleStore:
 
     def __init__(self, layout: Layout, model_fingerprint: str, device: torch.device,
                  budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
-                 on_event: Callable[[str, CapsuleInfo], None] | None = None) -> None:
+                 on_event: Callable[[str, CapsuleInfo], None] | None = None,
+                 lock: threading.RLock | None = None) -> None:
         unknown = sorted(set(budgets) - set(TIERS))
         if unknown:
             raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
@@ -109,8 +110,12 @@ class CapsuleStore:
         self._budgets = dict(budgets)
         self._used = {t: 0 for t in TIERS}
         self._records: dict[str, Record] = {}
-        self._lock = threading.RLock()
+        # The engine passes its own lock: one lock orders every state change, and
+        # the digest thread's releases (which may touch the engine's rollback ring)
+        # wait for the current step instead of racing it.
+        self._lock = lock or threading.RLock()
         self._listeners: list[Callable[[str, CapsuleInfo], None]] = [on_event] if on_event else []
+        self.before_free: list[Callable[[Chunk], None]] = []
         self._pin_host = device.type == "cuda"
         self.pool = DevicePool(self._budgets.get("device", 0), device)
         self.dir = Path(capsule_dir) if capsule_dir else None
@@ -235,13 +240,14 @@ class CapsuleStore:
             raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
 
     def write_back(self, record: Record, buffer: torch.Tensor,
-                   groups: Sequence[str] | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+                   groups: Sequence[str] | None = None) -> tuple[torch.Tensor, Chunk | None]:
         """Copy the capsule's bytes (only ``groups``, when given) into ``buffer``.
 
         Everything that can fail (reading and verifying a disk capsule) happens
-        before the first byte of ``buffer`` changes. Returns the capsule's
-        fixed-size block, lent to the caller until it calls the release function
-        (None: nothing to give back), so rollback can start from it without a copy.
+        before the first byte of ``buffer`` changes. Returns a view of the
+        capsule's fixed-size block and the chunk it lives in (None if it belongs
+        to nobody), so rollback can start from it without a copy; a
+        ``before_free`` hook hears about the chunk before its memory is reused.
         """
         with self._lock:
             if record.info.tier == "disk":
@@ -258,14 +264,7 @@ class CapsuleStore:
             record.last_used = time.monotonic()
             if len(fixed) != 1:
                 return torch.cat([p.view() for p in fixed]), None
-            if fixed[0].chunk.tier == "disk":
-                return fixed[0].view(), None
-            fixed[0].chunk.refs += 1
-        return fixed[0].view(), lambda: self._give_back(fixed)
-
-    def _give_back(self, pieces: list[Piece]) -> None:
-        with self._lock:
-            self._release(pieces)
+            return fixed[0].view(), (fixed[0].chunk if fixed[0].chunk.tier != "disk" else None)
 
     # ---- internals -------------------------------------------------------------------------------
     def _register(self, pieces: list[Piece], position: int, name: str, tier: str, pin: bool, parent: str,
@@ -292,6 +291,8 @@ class CapsuleStore:
             chunk.refs -= 1
             if chunk.refs == 0:
                 self._used[chunk.tier] -= chunk.nbytes
+                for hook in self.before_free:
+                    hook(chunk)
                 if chunk.tier == "device":
                     self.pool.release(chunk)
 

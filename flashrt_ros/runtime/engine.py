@@ -85,9 +85,10 @@ class Engine:
         budgets.update(opts["budgets"] or {})
         self.capsules = CapsuleStore(
             Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
-            self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"])
+            self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"], lock=self._lock)
         self._log = BoundaryLog()
         self._ring = RollbackRing(depth, self.arena.fixed_bytes, self.device)
+        self.capsules.before_free.append(self._ring.unborrow)
         self._base = None  # (capsule record, p): live per-token rows [0:p] equal that capsule's
         # 4. warm up + 5. capture graphs (the warm-up writes state, so zero it after)
         self.cuda_graphs = bool(opts["cuda_graphs"]) and self.device.type == "cuda"
@@ -313,16 +314,14 @@ class Engine:
             if verify:
                 self.capsules.verify(record)
                 backup = self.arena.buffer.clone()
-            fixed, release = self.capsules.write_back(record, self.arena.buffer)
+            fixed, owner = self.capsules.write_back(record, self.arena.buffer)
             if verify and self.arena.digest(position) != record.info.digest:
                 self.arena.buffer.copy_(backup)
-                if release:
-                    release()
                 raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
             self._position = position
             self._log = BoundaryLog(record.log)
             self._ring.clear()
-            self._ring.borrow(fixed, position, release)
+            self._ring.borrow(fixed, position, owner)
             self._base = (record, position)
             return record.info
 
@@ -332,9 +331,7 @@ class Engine:
             raise InvalidCapsuleRequest(f"regions must name groups among {list(GROUPS)}, got {groups}")
         if verify:
             raise InvalidCapsuleRequest("verify needs a full restore (regions=None)")
-        _, release = self.capsules.write_back(record, self.arena.buffer, groups)
-        if release:
-            release()
+        self.capsules.write_back(record, self.arena.buffer, groups)
         self._position = record.info.position
         self.model.position.fill_(self._position)
         self._log = BoundaryLog(record.log)

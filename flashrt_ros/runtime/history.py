@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -58,14 +57,15 @@ class _Entry:
     position: int
     fixed: torch.Tensor                       # the fixed-size bytes at this boundary
     slot: int = -1                            # ring slot holding them, or -1 when borrowed
-    release: Callable[[], None] | None = None  # gives borrowed bytes back
+    owner: object = None                      # what the borrowed bytes belong to
 
 
 class RollbackRing:
     """The fixed-size state of the last ``depth + 1`` boundaries (the current one included).
 
     Bytes are copied into ring slots at each boundary; a restored capsule's
-    bytes are borrowed instead (no copy on the restore path).
+    bytes are borrowed instead (no copy on the restore path) and copied only
+    if that capsule's memory is about to be reused.
     """
 
     def __init__(self, depth: int, fixed_bytes: int, device: torch.device) -> None:
@@ -82,9 +82,19 @@ class RollbackRing:
         view.copy_(buffer[:view.numel()], non_blocking=True)
         self.entries.append(_Entry(position, view, slot))
 
-    def borrow(self, fixed: torch.Tensor, position: int, release: Callable[[], None] | None) -> None:
-        """Make ``fixed`` (owned elsewhere) the newest boundary, after ``clear``."""
-        self.entries.append(_Entry(position, fixed, -1, release))
+    def borrow(self, fixed: torch.Tensor, position: int, owner: object) -> None:
+        """Make ``fixed`` (bytes of ``owner``, e.g. a capsule's chunk) the newest boundary."""
+        if len(self.entries) == self.depth + 1:
+            self._drop(self.entries.popleft())
+        self.entries.append(_Entry(position, fixed, -1, owner))
+
+    def unborrow(self, owner: object) -> None:
+        """``owner`` is about to reuse its memory: copy what was borrowed from it into slots."""
+        for entry in self.entries:
+            if entry.slot < 0 and entry.owner is owner:
+                entry.slot = self._free.pop()
+                entry.fixed = self._slots[entry.slot].copy_(entry.fixed)
+                entry.owner = None
 
     def clear(self) -> None:
         while self.entries:
@@ -106,5 +116,3 @@ class RollbackRing:
     def _drop(self, entry: _Entry) -> None:
         if entry.slot >= 0:
             self._free.append(entry.slot)
-        elif entry.release is not None:
-            entry.release()

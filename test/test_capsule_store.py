@@ -1,0 +1,88 @@
+"""Tiers and budgets: LRU spill down a tier or refuse, pinned capsules stay, every move is announced."""
+from __future__ import annotations
+
+import pytest
+
+from flashrt_ros.capsule import BudgetExceeded
+from flashrt_ros.errors import ErrorCode
+from flashrt_ros.runtime import Engine, ModelConfig
+
+
+def _engine(tmp_path, spill: bool, capsules: int = 2):
+    probe = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    probe.prefill(list(range(50)))
+    size = probe.snapshot().nbytes
+    budgets = {"device": capsules * (size + 256), "host": capsules * size, "disk": 100 * size}
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128, budgets=budgets, spill=spill,
+                                capsule_dir=tmp_path)
+    events = []
+    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.id, info.tier)))
+    engine.prefill(list(range(50)))
+    return engine, events
+
+
+def _fresh_snapshot(engine, name, pin=False):
+    engine.reset()
+    engine.prefill(list(range(50)))   # no shared prefix: every capsule is full size
+    return engine.snapshot(name, pin=pin)
+
+
+def test_spill_moves_the_least_recently_used_capsule_down_a_tier(tmp_path):
+    engine, events = _engine(tmp_path, spill=True)
+    first = _fresh_snapshot(engine, "first")
+    second = _fresh_snapshot(engine, "second")
+    third = _fresh_snapshot(engine, "third")
+    tiers = {c.name: c.tier for c in engine.capsules.list()}
+    assert tiers == {"first": "host", "second": "device", "third": "device"}
+    assert ("spill", first.id, "host") in events
+    for _ in range(2):
+        _fresh_snapshot(engine, None)
+    assert {c.name: c.tier for c in engine.capsules.list()}["first"] == "disk"
+    engine.restore("first")           # restorable from any tier, and exact
+    assert engine.state_digest() == engine.capsules.get(first.id).digest
+    assert second.id and third.id
+
+
+def test_without_spill_a_full_tier_refuses_and_keeps_every_capsule(tmp_path):
+    engine, events = _engine(tmp_path, spill=False)
+    _fresh_snapshot(engine, "a")
+    _fresh_snapshot(engine, "b")
+    before = engine.state_digest()
+    with pytest.raises(BudgetExceeded) as info:
+        engine.snapshot("c")
+    assert info.value.code == ErrorCode.BUDGET_EXCEEDED and "spill is off" in str(info.value)
+    assert sorted(c.name for c in engine.capsules.list()) == ["a", "b"]
+    assert engine.state_digest() == before
+    assert not [e for e in events if e[0] in ("spill", "evict")]
+
+
+def test_pinned_capsules_are_never_evicted(tmp_path):
+    engine, _ = _engine(tmp_path, spill=True)
+    pinned = _fresh_snapshot(engine, "keep", pin=True)
+    for i in range(4):
+        _fresh_snapshot(engine, f"n{i}")
+    assert engine.capsules.get(pinned.id).tier == "device"
+
+
+def test_drop_frees_the_bytes_and_list_get_find_by_id_or_name(tmp_path):
+    engine, events = _engine(tmp_path, spill=True)
+    capsule = engine.snapshot("named")
+    assert engine.capsules.get("named").id == capsule.id == engine.capsules.get(capsule.id).id
+    assert engine.capsules.used_bytes("device") == capsule.nbytes
+    assert engine.capsules.budget_bytes("device") > 0
+    engine.capsules.drop("named")
+    assert engine.capsules.list() == [] and engine.capsules.used_bytes("device") == 0
+    assert [e[0] for e in events] == ["snapshot", "drop"]
+
+
+def test_shared_prefix_bytes_stay_until_the_last_capsule_using_them_is_dropped(tiny_engine):
+    tiny_engine.prefill(list(range(60)))
+    root = tiny_engine.snapshot("root")
+    tiny_engine.generate(4)
+    child = tiny_engine.snapshot("child")
+    tiny_engine.capsules.drop(root)
+    tiny_engine.prefill([1])
+    tiny_engine.restore(child, verify=True)    # still complete without its parent
+    assert tiny_engine.capsules.used_bytes("device") == root.nbytes + child.nbytes
+    tiny_engine.capsules.drop(child)
+    assert tiny_engine.capsules.used_bytes("device") == 0
