@@ -1,5 +1,6 @@
 """``python -m flashrt_ros.bench``: run every benchmark module in turn."""
-from . import runtime
+from . import capsules, runtime
 
 if __name__ == "__main__":
     runtime.run()
+    capsules.run()

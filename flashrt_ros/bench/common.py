@@ -54,5 +54,5 @@ def copy_bandwidth(nbytes: int, device: torch.device, rounds: int = 7) -> float:
 def verdict(name: str, value: float, target: float, higher_is_better: bool) -> dict:
     ok = value >= target if higher_is_better else value <= target
     sign = ">=" if higher_is_better else "<="
-    print(f"  {'PASS' if ok else 'MISS'}  {name}: {value:.2f} (target {sign} {target})")
+    print(f"  {'PASS' if ok else 'MISS'}  {name}: {value:.3g} (target {sign} {target})")
     return {"name": name, "value": value, "target": target, "pass": ok}

@@ -1,0 +1,149 @@
+"""Capsule costs, each as a ratio measured side by side in one run.
+
+    python -m flashrt_ros.bench.capsules [--device cpu] [--rounds 5] [--ttft 2048,4096,8192,16384]
+
+1. snapshot and restore time / one plain tensor copy of the same number of
+   bytes on the same device, across state sizes (target <= 1.3 from 1 MiB);
+2. TTFT through a capsule (restore a P-token prefix, prefill a 64-token
+   suffix, first token) vs a cold prefill of the P + 64 tokens, on
+   ``ModelConfig.bench()`` (targets: the paper's 3.9x at 2k and 27x at 16k;
+   via capsule at 16k within 1.25x of the TTFT of 64 tokens on an empty state);
+3. rollback bookkeeping per boundary / one decode step (target <= 5%).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ..runtime import Engine, ModelConfig
+from .common import interleaved, machine, sync, timed, verdict
+
+SUFFIX = 64
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 32768, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]:
+    dev, rows = engine.device, []
+    for position in positions:
+        engine.reset()
+        engine.prefill(_ids(position, position))
+        nbytes = sum(e - s for s, e in engine.capsules.layout.ranges(position))
+        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        held = engine.snapshot()
+
+        def snap() -> float:
+            engine._base = None  # a full snapshot: nothing shared with an earlier capsule
+            t = timed(lambda: engine.snapshot(), dev)
+            engine.capsules.get(engine.capsules.list()[-1].id)   # let the digest finish off the clock
+            engine.capsules.drop(engine.capsules.list()[-1].id)
+            return t
+
+        def restore() -> float:
+            return timed(lambda: engine.restore(held), dev)
+
+        t = interleaved({"snapshot": snap, "restore": restore, "copy": lambda: timed(lambda: dst.copy_(src), dev)},
+                        rounds)
+        engine.capsules.drop(held)
+        rows.append({"position": position, "bytes": nbytes, "copy_ms": t["copy"] * 1e3,
+                     "snapshot_ratio": t["snapshot"] / t["copy"], "restore_ratio": t["restore"] / t["copy"]})
+        print(f"  {nbytes / 2**20:8.2f} MiB (pos {position:5d}): copy {t['copy'] * 1e3:7.3f} ms   "
+              f"snapshot x{rows[-1]['snapshot_ratio']:.2f}   restore x{rows[-1]['restore_ratio']:.2f}")
+    return rows
+
+
+def ttft(engine: Engine, prefixes: list[int], rounds: int) -> list[dict]:
+    dev, rows = engine.device, []
+    suffix = _ids(SUFFIX, 1)
+    engine.reset()
+    empty = interleaved({"empty": lambda: timed(lambda: (engine.reset(), engine.prefill(suffix),
+                                                          engine.generate(1)), dev)}, rounds)["empty"]
+    for prefix in prefixes:
+        engine.reset()
+        prompt = _ids(prefix, prefix)
+        engine.prefill(prompt)
+        capsule = engine.snapshot(pin=True)
+
+        def cold() -> float:
+            engine.reset()
+            return timed(lambda: (engine.prefill(torch.cat([prompt, suffix])), engine.generate(1)), dev)
+
+        def warm() -> float:
+            return timed(lambda: (engine.restore(capsule), engine.prefill(suffix), engine.generate(1)), dev)
+
+        t = interleaved({"cold": cold, "capsule": warm}, max(1, rounds // 2))
+        engine.capsules.drop(capsule)
+        rows.append({"prefix": prefix, "cold_ms": t["cold"] * 1e3, "capsule_ms": t["capsule"] * 1e3,
+                     "speedup": t["cold"] / t["capsule"], "vs_empty": t["capsule"] / empty})
+        print(f"  P={prefix:6d}: cold {t['cold'] * 1e3:9.1f} ms   capsule {t['capsule'] * 1e3:7.1f} ms   "
+              f"x{rows[-1]['speedup']:.1f} faster   {rows[-1]['vs_empty']:.2f}x the empty-prefix TTFT "
+              f"({empty * 1e3:.1f} ms)")
+    return rows
+
+
+def rollback_share(engine: Engine, rounds: int) -> float:
+    engine.reset()
+    engine.prefill(_ids(512, 3))
+    dev, n = engine.device, 32
+    step = interleaved({"decode": lambda: timed(lambda: engine.generate(n), dev) / n}, rounds)["decode"]
+    buffer, ring, log = engine.arena.buffer, engine._ring, engine._log
+
+    def bookkeeping() -> None:
+        for _ in range(n):
+            log.append("decode", engine.position, 0)
+            ring.push(buffer, engine.position)
+    keep = interleaved({"ring": lambda: timed(bookkeeping, dev) / n}, rounds)["ring"]
+    print(f"  rollback bookkeeping {keep * 1e6:.1f} us per boundary = {keep / step * 100:.2f}% of a "
+          f"{step * 1e3:.2f} ms decode step ({engine.arena.fixed_bytes / 2**10:.0f} KiB fixed-size state)")
+    return keep / step
+
+
+def run(device: str = "cpu", rounds: int = 5, prefixes: tuple[int, ...] = (2048, 4096, 8192, 16384)) -> dict:
+    dev = torch.device(device)
+    engine = Engine.from_config(ModelConfig.bench(), device=dev, max_seq_len=max(prefixes) + SUFFIX + 64,
+                                budgets={"device": 2 << 30})
+    print(f"capsule benchmark on {machine()}; ModelConfig.bench(), fp32")
+    print("1. snapshot / restore vs one plain copy of the same bytes")
+    copies = copy_ratios(engine, [p for p in (16, 256, 1024, 4096, 16384) if p <= max(prefixes)], rounds)
+    print("2. time to first token: capsule vs cold prefill")
+    firsts = ttft(engine, list(prefixes), rounds)
+    print("3. rollback bookkeeping")
+    share = rollback_share(engine, rounds)
+    checks = []
+    for row in copies:
+        if row["bytes"] >= 2**20:
+            checks.append(verdict(f"snapshot / copy at {row['bytes'] / 2**20:.1f} MiB", row["snapshot_ratio"], 1.3, False))
+            checks.append(verdict(f"restore / copy at {row['bytes'] / 2**20:.1f} MiB", row["restore_ratio"], 1.3, False))
+    paper = {2048: 3.9, 16384: 27.0}
+    for row in firsts:
+        if row["prefix"] in paper:
+            checks.append(verdict(f"TTFT speed-up at {row['prefix']}", row["speedup"], paper[row["prefix"]], True))
+    if firsts and firsts[-1]["prefix"] == 16384:
+        checks.append(verdict("TTFT via capsule at 16k / TTFT with an empty prefix", firsts[-1]["vs_empty"], 1.25, False))
+    checks.append(verdict("rollback bookkeeping / decode step", share, 0.05, False))
+    sync(dev)
+    return {"machine": machine(), "device": str(dev), "time": time.time(), "copies": copies, "ttft": firsts,
+            "rollback_share": share, "checks": checks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ttft", default="2048,4096,8192,16384", help="prefix lengths, comma-separated")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = run(args.device, args.rounds, tuple(int(x) for x in args.ttft.split(",")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
