@@ -412,7 +412,6 @@ class CapsuleStore:
         read = _range_reader(ranges, data)
         info = replace(info, digest=state_digest(self.layout.regions, position, read),
                        history_hash=history_digest(self.layout.regions, position, read))
-        self._make_room("disk", data.numel())
         path = self._write_disk(info, ranges, data, log_runs)
         record = Record(info, [], log_runs, path)
         record.hashed.set()
@@ -424,8 +423,7 @@ class CapsuleStore:
                     log_runs: tuple) -> Path:
         folder = self._require_dir()
         self._make_room("disk", data.numel())
-        header = {k: v for k, v in _info_fields(info).items()}
-        header |= {"ranges": [list(r) for r in ranges], "log": [list(run) for run in log_runs]}
+        header = _info_fields(info) | {"ranges": [list(r) for r in ranges], "log": [list(run) for run in log_runs]}
         path = diskformat.path_for(folder, info.id)
         diskformat.write(path, header, data)
         self._used["disk"] += data.numel()
