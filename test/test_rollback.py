@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from flashrt_ros.capsule import CapsuleError
 from flashrt_ros.errors import ErrorCode, InvalidArgument
 from flashrt_ros.runtime import Engine, ModelConfig
 
@@ -76,5 +77,5 @@ def test_bad_rollbacks_are_refused_and_change_nothing(tiny_engine, kwargs, words
     before = tiny_engine.state_digest()
     with pytest.raises(InvalidArgument, match=words) as info:
         tiny_engine.rollback(**kwargs)
-    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert isinstance(info.value, CapsuleError) and info.value.code == ErrorCode.INVALID_ARGUMENT
     assert tiny_engine.state_digest() == before

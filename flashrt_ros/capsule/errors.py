@@ -1,7 +1,7 @@
 """Capsule errors: each carries the ``ErrorCode`` the ROS layer answers with."""
 from __future__ import annotations
 
-from ..errors import ErrorCode, FlashRTError
+from ..errors import ErrorCode, FlashRTError, InvalidArgument
 
 
 class CapsuleError(FlashRTError):
@@ -14,7 +14,9 @@ class UnknownCapsule(CapsuleError):
     code = ErrorCode.UNKNOWN_CAPSULE
 
 
-class InvalidCapsuleRequest(CapsuleError, ValueError):
+class InvalidCapsuleRequest(CapsuleError, InvalidArgument):
+    """A bad capsule request (name, tier, steps, position): both a CapsuleError and an InvalidArgument."""
+
     code = ErrorCode.INVALID_ARGUMENT
 
 

@@ -352,10 +352,10 @@ class Engine:
             if to_position is not None:
                 return self._rollback_to(to_position)
             if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-                raise InvalidArgument(f"steps must be an int >= 0, got {steps!r}")
+                raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {steps!r}")
             kept = len(self._ring.entries) - 1
             if steps > kept:
-                raise InvalidArgument(f"cannot roll back {steps} boundaries: {kept} are kept "
+                raise InvalidCapsuleRequest(f"cannot roll back {steps} boundaries: {kept} are kept "
                                       f"(rollback_depth={self._ring.depth})")
             if steps:
                 self._go_back(steps)
@@ -371,7 +371,7 @@ class Engine:
 
     def _rollback_to(self, target: int) -> int:
         if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target <= self._position:
-            raise InvalidArgument(f"to_position must be an int in [0, {self._position}], got {target!r}")
+            raise InvalidCapsuleRequest(f"to_position must be an int in [0, {self._position}], got {target!r}")
         logged = BoundaryLog(self._log.snapshot())
         tokens = self.model.tokens[:target].tolist()
         observations = None if self.model.observations is None else self.model.observations[:target].clone()
