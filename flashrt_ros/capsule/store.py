@@ -303,14 +303,16 @@ class CapsuleStore:
                 read = lambda s, e, r=record: self._read(r, s, e)  # noqa: E731
                 digest = state_digest(self.layout.regions, record.info.position, read)
                 history = history_digest(self.layout.regions, record.info.position, read)
-                with self._lock:
-                    record.info = replace(record.info, digest=digest, history_hash=history)
+                # Only _demote also replaces info, and it waits for ``hashed`` first.
+                record.info = replace(record.info, digest=digest, history_hash=history)
             except Exception:  # a digest failure must never kill the worker
                 log.exception("digest of capsule %s failed", record.info.id)
             finally:
+                # Announce first, release after: a waiter may hold the (engine) lock
+                # that the release needs, and it must not wait on us in turn.
+                record.hashed.set()
                 with self._lock:
                     self._release(record.pieces)
-                record.hashed.set()
 
     def _read(self, record: Record, start: int, end: int):
         parts = [p.view().cpu().numpy() for p in record.pieces_in(start, end)]
