@@ -32,25 +32,24 @@ def pair(request, tmp_path_factory):
     return hf, path
 
 
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 300])
-def test_prefill_logits_match_transformers(pair, length):
-    hf, path = pair
-    engine = Engine.from_pretrained(path)
-    ids = torch.randint(0, engine.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+def _prefill_error(hf, engine: Engine, length: int, seed: int) -> float:
+    """Max abs difference of the last-position logits after prefilling the same random prompt."""
+    ids = torch.randint(0, engine.config.vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
     ours = engine.prefill(ids)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0, -1]
-    assert (ours - ref).abs().max().item() < TOL
+    return (ours - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 300])
+def test_prefill_logits_match_transformers(pair, length):
+    hf, path = pair
+    assert _prefill_error(hf, Engine.from_pretrained(path), length, seed=length) < TOL
 
 
 def test_prefill_in_unaligned_chunks_matches_transformers(pair):
     hf, path = pair
-    engine = Engine.from_pretrained(path, prefill_chunk=100)
-    ids = torch.randint(0, engine.config.vocab_size, (300,), generator=torch.Generator().manual_seed(7))
-    ours = engine.prefill(ids)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0, -1]
-    assert (ours - ref).abs().max().item() < TOL
+    assert _prefill_error(hf, Engine.from_pretrained(path, prefill_chunk=100), 300, seed=7) < TOL
 
 
 def test_stepwise_decode_logits_and_greedy_tokens_match_transformers(pair):

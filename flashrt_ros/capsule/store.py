@@ -218,8 +218,9 @@ class CapsuleStore:
         return record
 
     # ---- restore ---------------------------------------------------------------------------------
-    def check_compatible(self, record: Record) -> None:
-        info = record.info
+    def check_compatible(self, capsule: Record | CapsuleInfo) -> None:
+        """FingerprintMismatch unless the capsule was taken from this model and arena layout."""
+        info = capsule.info if isinstance(capsule, Record) else capsule
         if info.model_fingerprint != self.model_fingerprint:
             raise FingerprintMismatch(
                 f"capsule {info.id} was taken from model {info.model_fingerprint}, this engine runs "

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..capsule import CapsuleInfo, CapsuleStore, FingerprintMismatch, InvalidCapsuleRequest, Layout
+from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..capsule.errors import CorruptCapsule
 from ..errors import FlashRTError, InvalidArgument
 from . import weights as weights_io
@@ -168,9 +168,11 @@ class Engine:
         with self._lock, torch.inference_mode():
             if self._flush_denormal:
                 torch.set_flush_denormal(True)
+            if not (step and self._decode_threads):
+                yield
+                return
             threads = torch.get_num_threads()
-            if step and self._decode_threads:
-                torch.set_num_threads(self._decode_threads)
+            torch.set_num_threads(self._decode_threads)
             try:
                 yield
             finally:
@@ -301,13 +303,11 @@ class Engine:
         loses on a hybrid model; the result is not a state any run produced.
         """
         with self._work():
-            if isinstance(capsule, CapsuleInfo):
-                self._check_fingerprints(capsule)
+            if isinstance(capsule, CapsuleInfo):  # possibly another engine's: check before looking it up
+                self.capsules.check_compatible(capsule)
             record = self.capsules.resolve(capsule)
             self.capsules.check_compatible(record)
             position = record.info.position
-            if position > self.max_seq_len:
-                raise FingerprintMismatch(f"capsule position {position} exceeds max_seq_len={self.max_seq_len}")
             if regions is not None:
                 return self._restore_groups(record, list(regions), verify)
             backup = None
@@ -400,12 +400,6 @@ class Engine:
         else:
             for row in range(start, start + count):
                 self._commit_step(observations[row])
-
-    def _check_fingerprints(self, info: CapsuleInfo) -> None:
-        if info.model_fingerprint != self.model_fingerprint or info.layout_fingerprint != self.layout_fingerprint:
-            raise FingerprintMismatch(
-                f"capsule {info.id} belongs to model {info.model_fingerprint} / layout {info.layout_fingerprint}; "
-                f"this engine is {self.model_fingerprint} / {self.layout_fingerprint}")
 
     # ---- checks --------------------------------------------------------------------------------
     def _check_tokens(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
