@@ -13,6 +13,7 @@ import logging
 import queue
 import secrets
 import threading
+from contextlib import AbstractContextManager
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -98,7 +99,7 @@ class CapsuleStore:
     def __init__(self, layout: Layout, model_fingerprint: str, device: torch.device,
                  budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
                  on_event: Callable[[str, CapsuleInfo], None] | None = None,
-                 lock: threading.RLock | None = None) -> None:
+                 lock: AbstractContextManager | None = None) -> None:
         unknown = sorted(set(budgets) - set(TIERS))
         if unknown:
             raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")

@@ -8,7 +8,6 @@ consistent, so a snapshot can slot in between any two of them.
 from __future__ import annotations
 
 import logging
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -21,6 +20,7 @@ from ..errors import FlashRTError, InvalidArgument
 from . import weights as weights_io
 from .arena import GROUPS, StateArena
 from .config import ModelConfig
+from .fairlock import FairRLock
 from .graph import Step
 from .history import DECODE, PREFILL, STEP, BoundaryLog, RollbackRing
 from .models.qwen35 import Qwen35, state_specs
@@ -67,7 +67,7 @@ class Engine:
         self._prefill_chunk = int(opts["prefill_chunk"])
         self._flush_denormal = bool(opts["flush_denormal"]) and self.device.type == "cpu"
         self._decode_threads = int(opts["decode_threads"]) if self.device.type == "cpu" else 0
-        self._lock = threading.RLock()
+        self._lock = FairRLock()
 
         # 1. build + 2. load weights (fused into the model's own layout)
         self.model = Qwen35(cfg, weights, self.device, dtype, max_seq_len)
@@ -141,7 +141,7 @@ class Engine:
         return self.arena.region_table
 
     @property
-    def lock(self) -> threading.RLock:
+    def lock(self) -> FairRLock:
         """Held for every committed boundary; hold it to read a consistent state."""
         return self._lock
 

@@ -1,0 +1,67 @@
+"""A reentrant lock that serves waiting threads in arrival order.
+
+The engine takes its lock once per decode step. ``threading.RLock`` makes no
+promise about who gets it next, and in practice the generating thread wins it
+back again and again: a snapshot that arrived mid-generation was measured
+waiting up to nine decode steps. With arrival order, it waits for at most the
+step in progress.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+
+class FairRLock:
+    """Reentrant; a released lock goes to the longest-waiting thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._queue: deque[int] = deque()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            if self._owner is None and not self._queue:
+                self._owner, self._depth = me, 1
+                return True
+            if not blocking:
+                return False
+            self._queue.append(me)
+            deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+            while self._owner is not None or self._queue[0] != me:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._queue.remove(me)
+                    self._cond.notify_all()  # the thread behind us may now be first
+                    return False
+                self._cond.wait(left)
+            self._queue.popleft()
+            self._owner, self._depth = me, 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("cannot release a FairRLock this thread does not hold")
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                if self._queue:
+                    self._cond.notify_all()
+
+    def held_by_me(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> "FairRLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
