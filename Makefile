@@ -103,7 +103,7 @@ $(VENV_STAMP):
 	if [ "$(ROS_MODE)" = wheels ]; then
 	  "$(VENV)/bin/python" -m pip install -q \
 	    -c "$(REQ)/constraints.txt" -c "$(REQ)/constraints-$(WHEEL_DISTRO).txt" \
-	    -r "$(REQ)/runtime.txt" -r "$(REQ)/test.txt" -r "$(REQ)/build.txt" \
+	    -r "$(REQ)/runtime.txt" -r "$(REQ)/node.txt" -r "$(REQ)/test.txt" -r "$(REQ)/build.txt" \
 	    -r "$(REQ)/ros-$(WHEEL_DISTRO).txt" || {
 	    echo "pip failed. The ROS 2 wheels are CPython 3.11, x86_64 manylinux_2_28 builds;" \
 	         "PYTHON=<interpreter> picks the one .venv is made from." >&2; exit 1; }
