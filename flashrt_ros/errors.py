@@ -37,3 +37,15 @@ class CheckpointError(FlashRTError):
     """A checkpoint could not be read, or does not match its config."""
 
     code = ErrorCode.IO_ERROR
+
+
+class NotActive(FlashRTError):
+    """The serving side is not in the active lifecycle state (or has no engine)."""
+
+    code = ErrorCode.NOT_ACTIVE
+
+
+class Busy(FlashRTError):
+    """Another operation that cannot run alongside this one is in progress."""
+
+    code = ErrorCode.BUSY

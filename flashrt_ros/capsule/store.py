@@ -131,6 +131,9 @@ class CapsuleStore:
         self._listeners.append(listener)
 
     def list(self, tier: str | None = None) -> list[CapsuleInfo]:
+        """Every capsule, or those of one tier (None or "" lists all)."""
+        if tier not in (None, ""):
+            check_tier(tier)
         with self._lock:
             return [r.info for r in self._records.values() if tier in (None, "", r.info.tier)]
 

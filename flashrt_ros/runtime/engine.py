@@ -122,12 +122,13 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, seed: int = 0,
-                        **options: Any) -> "Engine":
+                        policy_dims: tuple[int, int] | None = None, **options: Any) -> "Engine":
         """Load a Hugging Face checkpoint folder (config.json + *.safetensors, single or sharded).
 
         ``mtp.*`` and policy weights absent from the checkpoint are seeded with ``seed``.
+        ``policy_dims`` = (obs_dim, action_dim) overrides the checkpoint's policy heads.
         """
-        cfg, weights, seeded = weights_io.load_checkpoint(path, seed)
+        cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
         return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
 
     # ---- state ---------------------------------------------------------------------------------

@@ -1,18 +1,53 @@
-"""Byte-level tokenizer for the embedded default: token i < 256 is byte i.
+"""Tokenizers: byte-level for the embedded default, ``tokenizer.json`` for a checkpoint.
 
-Checkpoints with a real tokenizer bring their own; this one needs no files,
-so the default model can take and return text on a fresh machine.
+The byte-level one needs no files, so the default model can take and return
+text on a fresh machine. A checkpoint brings its own tokenizer.json (read with
+the ``tokenizers`` library); without one it takes token ids only.
 """
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
 
 BOS, EOS = 256, 257
 
 
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 class ByteTokenizer:
     vocab_size = 260
+    eos_id = EOS
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([BOS] if bos else []) + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A Hugging Face ``tokenizer.json``, with the special tokens its template adds."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _HFTokenizer  # imported only when a checkpoint has one
+
+        self._tok = _HFTokenizer.from_file(str(path))
+        self.eos_id = None  # the checkpoint config's eos_token_ids decide
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(model_path: str | Path | None) -> Tokenizer | None:
+    """The tokenizer for ``model_path`` (empty: the embedded default), or None if it has none."""
+    if not model_path:
+        return ByteTokenizer()
+    file = Path(model_path) / "tokenizer.json"
+    return FileTokenizer(file) if file.is_file() else None

@@ -7,6 +7,7 @@ when it is built, so the fingerprint is independent of that layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -146,11 +147,14 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_checkpoint(path: str | Path, seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str]]:
+def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int] | None = None,
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str]]:
     """Read ``config.json`` and the safetensors weights of a Hugging Face checkpoint folder.
 
     Returns the config, fp32-or-stored-dtype weights by canonical name, and the
     names that were absent and seeded (only ``mtp.*`` and ``policy.*`` may be).
+    ``policy_dims`` (obs_dim, action_dim) overrides the config's policy heads,
+    e.g. to drive a language checkpoint from robot observations.
     """
     path = Path(path)
     if not path.is_dir():
@@ -158,6 +162,8 @@ def load_checkpoint(path: str | Path, seed: int = 0) -> tuple[ModelConfig, dict[
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint {path} has no config.json")
     cfg = ModelConfig.from_json(path / "config.json")
+    if policy_dims is not None:
+        cfg = dataclasses.replace(cfg, obs_dim=int(policy_dims[0]), action_dim=int(policy_dims[1]))
     shapes = expected_shapes(cfg)
     weights: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):

@@ -1,0 +1,141 @@
+"""A session as data: every state-changing operation in the order the engine applied it.
+
+The node records an entry while it still holds the engine lock, so the order of
+entries is the order of committed boundaries, even when many clients call at
+once. ``replay`` applies the entries to a fresh engine one after another and
+compares every output: tokens, action bytes, positions, error codes and state
+digests. Capsule ids are random per process, so replay maps recorded ids to
+the ones it creates.
+
+ROS-free: the node fills a Journal, a bag writer stores it, and replay needs
+only an engine.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .errors import FlashRTError
+
+# Kinds of entries, and the engine call each one replays as.
+PREFILL, DECODE, STEP = "prefill", "decode", "step"
+SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP = "snapshot", "fork", "restore", "rollback", "drop"
+KINDS = (PREFILL, DECODE, STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP)
+
+
+@dataclass(frozen=True)
+class Entry:
+    seq: int
+    kind: str
+    request: dict[str, Any]
+    outcome: dict[str, Any]   # success, error_code, position, and the kind's outputs
+
+
+@dataclass
+class Journal:
+    """Thread-safe, append-only; ``listeners`` see each entry as it is recorded."""
+
+    entries: list[Entry] = field(default_factory=list)
+    listeners: list[Callable[[Entry], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, kind: str, request: dict[str, Any], outcome: dict[str, Any]) -> Entry:
+        if kind not in KINDS:
+            raise ValueError(f"unknown journal entry kind {kind!r}")
+        with self._lock:
+            entry = Entry(len(self.entries), kind, dict(request), dict(outcome))
+            self.entries.append(entry)
+        for listener in self.listeners:
+            listener(entry)
+        return entry
+
+
+class ReplayMismatch(AssertionError):
+    """A replayed output differs from the recorded one; the message names the entry."""
+
+    def __init__(self, entry: Entry, what: str, recorded: Any, replayed: Any) -> None:
+        super().__init__(f"entry {entry.seq} ({entry.kind}): {what} was {_short(recorded)} when recorded, "
+                         f"{_short(replayed)} on replay")
+        self.entry, self.what = entry, what
+
+
+@dataclass
+class ReplayReport:
+    entries: int = 0
+    tokens: int = 0
+    actions: int = 0
+    capsule_calls: int = 0
+    failures_reproduced: int = 0
+
+
+def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
+    """Apply ``entries`` to ``engine`` in order; raise ReplayMismatch at the first difference."""
+    ids: dict[str, str] = {}
+    report = ReplayReport()
+    for entry in entries:
+        out = entry.outcome
+        try:
+            produced = _apply(entry, engine, ids)
+            code = 0
+        except FlashRTError as exc:
+            produced, code = {}, int(exc.code)
+        _same(entry, "error_code", out.get("error_code", 0), code)
+        report.entries += 1
+        if code:
+            report.failures_reproduced += 1
+            continue
+        if "position" in out:
+            _same(entry, "position", out["position"], engine.position)
+        for key, value in produced.items():
+            if key in out:
+                _same(entry, key, out[key], value)
+        if entry.kind in (SNAPSHOT, FORK):
+            ids[out["capsule_id"]] = produced["capsule_id"]
+        if "state_digest" in out:
+            _same(entry, "state_digest", out["state_digest"], engine.state_digest())
+        report.tokens += entry.kind == DECODE
+        report.actions += entry.kind == STEP
+        report.capsule_calls += entry.kind not in (PREFILL, DECODE, STEP)
+    return report
+
+
+def _apply(entry: Entry, engine: Any, ids: dict[str, str]) -> dict[str, Any]:
+    req = entry.request
+    if entry.kind == PREFILL:
+        engine.prefill(req["token_ids"])
+        return {}
+    if entry.kind == DECODE:
+        return {"token": engine.generate(1)[0]}
+    if entry.kind == STEP:
+        return {"action": engine.step(req["observation"]).tolist()}
+    if entry.kind == SNAPSHOT:
+        info = engine.snapshot(name=req.get("name") or None, tier=req["tier"], pin=bool(req.get("pin")))
+        return {"capsule_id": info.id}
+    if entry.kind == FORK:
+        source = req.get("source_id", "")
+        info = engine.fork(ids.get(source, source) or None, name=req.get("name") or None)
+        return {"capsule_id": info.id}
+    if entry.kind == RESTORE:
+        capsule = req["capsule_id"]
+        engine.restore(ids.get(capsule, capsule), verify=bool(req.get("verify")))
+        return {}
+    if entry.kind == ROLLBACK:
+        to = req.get("to_position", -1)
+        engine.rollback(steps=req.get("steps", 1), to_position=None if to == -1 else to)
+        return {}
+    capsule = req["capsule_id"]
+    engine.capsules.drop(ids.get(capsule, capsule))
+    return {}
+
+
+def _same(entry: Entry, what: str, recorded: Any, replayed: Any) -> None:
+    if what == "capsule_id":  # fresh ids on replay; the mapping is checked by later uses
+        return
+    if recorded != replayed:
+        raise ReplayMismatch(entry, what, recorded, replayed)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

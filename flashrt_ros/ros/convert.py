@@ -1,0 +1,29 @@
+"""Between engine values and ROS messages: capsule metadata, errors, stamps."""
+from __future__ import annotations
+
+from builtin_interfaces.msg import Time
+
+from ..capsule import CapsuleInfo
+from ..errors import ErrorCode, FlashRTError
+from ..msg import CapsuleInfo as CapsuleInfoMsg
+
+
+def stamp(seconds: float) -> Time:
+    whole = int(seconds)
+    return Time(sec=whole, nanosec=int((seconds - whole) * 1e9))
+
+
+def info_msg(info: CapsuleInfo | None) -> CapsuleInfoMsg:
+    if info is None:
+        return CapsuleInfoMsg()
+    return CapsuleInfoMsg(
+        id=info.id, name=info.name, parent=info.parent, position=info.position, nbytes=info.nbytes,
+        tier=info.tier, digest=info.digest, pinned=info.pinned, created=stamp(info.created),
+        model_fingerprint=info.model_fingerprint, layout_fingerprint=info.layout_fingerprint)
+
+
+def outcome(exc: BaseException) -> tuple[int, str]:
+    """(error_code, message) for an exception raised while serving a request."""
+    if isinstance(exc, FlashRTError):
+        return int(exc.code), str(exc) or type(exc).__name__
+    return int(ErrorCode.INTERNAL), f"internal error: {type(exc).__name__}: {exc}"

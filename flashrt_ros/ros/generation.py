@@ -1,0 +1,77 @@
+"""One generate goal: prompt in, greedy tokens out, one committed boundary per token.
+
+The engine lock is taken per token, so a service call that arrives mid-way
+waits for at most the step in progress. Cancel and deactivate are checked
+after every token, i.e. at committed boundaries.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .. import journal as J
+from ..errors import InvalidArgument, NotActive
+
+
+def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> None:
+    """Fill ``result`` (and stream feedback); raise a FlashRTError to refuse or stop."""
+    from ..action import Generate
+
+    goal = goal_handle.request
+    ids = _prompt_ids(node.tokenizer, goal)
+    n = goal.max_new_tokens
+    if n < 0:
+        raise InvalidArgument(f"max_new_tokens must be >= 0, got {n}")
+    if not ids and engine.position == 0:
+        raise InvalidArgument("empty prompt on an empty state: give a prompt or token_ids")
+    room = engine.max_seq_len - engine.position
+    if len(ids) + n > room:
+        raise InvalidArgument(f"{len(ids)} prompt + {n} new tokens exceed the {room} positions left "
+                              f"(max_seq_len={engine.max_seq_len}, position={engine.position})")
+    eos = set(engine.config.eos_token_ids) | {getattr(node.tokenizer, "eos_id", None)}
+    start = time.perf_counter()
+    if ids:
+        with engine.lock:
+            engine.prefill(ids)
+            node.note_state_change(J.PREFILL, {"token_ids": list(ids)}, {})
+    tokens: list[int] = []
+    first = None
+    feedback = Generate.Feedback()
+    for _ in range(n):
+        if goal_handle.is_cancel_requested:
+            result.message = f"canceled after {len(tokens)} tokens"
+            break
+        if not node.serving:
+            raise NotActive(f"node left the active state after {len(tokens)} tokens")
+        with engine.lock:
+            token = engine.generate(1)[0]
+            node.note_state_change(J.DECODE, {}, {"token": token})
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(token)
+        feedback.tokens = tokens
+        feedback.text = _decode(node.tokenizer, tokens)
+        goal_handle.publish_feedback(feedback)
+        if token in eos:
+            break
+    end = time.perf_counter()
+    result.tokens = tokens
+    result.text = _decode(node.tokenizer, tokens)
+    result.ttft_ms = ((first or end) - start) * 1e3
+    decode_s = end - (first or end)
+    result.tokens_per_s = (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0
+    result.position = engine.position
+
+
+def _prompt_ids(tokenizer: Any, goal: Any) -> list[int]:
+    if len(goal.token_ids):
+        return [int(t) for t in goal.token_ids]
+    if not goal.prompt:
+        return []
+    if tokenizer is None:
+        raise InvalidArgument("this checkpoint has no tokenizer.json: send token_ids instead of a prompt")
+    return tokenizer.encode(goal.prompt)
+
+
+def _decode(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens) if tokenizer is not None else ""

@@ -1,0 +1,426 @@
+"""The flashrt lifecycle node: a thin adapter from ROS 2 to the engine.
+
+Every decision about state stays in the engine. The node turns requests into
+engine calls, exceptions into error codes, and results into responses,
+events and telemetry. Each operation runs while holding the engine lock, so
+the journal (when one is attached) lists operations in the order they were
+committed, even when many clients call at once.
+
+Callback groups: services share a reentrant group (the engine lock orders
+them), the generate action has its own, policy topics a mutually exclusive
+one (observations apply in arrival order), timers another.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+from diagnostic_msgs.msg import DiagnosticArray
+from geometry_msgs.msg import PoseStamped
+from sensor_msgs.msg import JointState
+from trajectory_msgs.msg import JointTrajectoryPoint
+
+from .. import journal as J
+from ..action import Generate
+from ..capsule import CapsuleInfo
+from ..errors import Busy, ErrorCode, InvalidArgument, NotActive
+from ..msg import CapsuleEvent, RuntimeStatus
+from ..runtime import Engine, ModelConfig
+from ..runtime.tokenizer import load_tokenizer
+from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
+from . import params
+from .convert import info_msg, outcome
+from .generation import run_generation
+from .observation import build_observation
+from .telemetry import Latencies, diagnostics_msg, status_msg
+
+_STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
+_EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+_REQUEST_IDS = 1024      # remembered Snapshot request_ids (oldest forgotten first)
+_MAX_REQUEST_ID = 256
+_DIRTY_POLL_S = 0.05     # "on change" status goes out within this
+
+
+class FlashRTNode(LifecycleNode):
+    """Lifecycle: configure loads the model and allocates the arena, activate serves,
+    deactivate stops serving (requests answer NOT_ACTIVE), cleanup frees."""
+
+    def __init__(self, node_name: str = "flashrt", **kwargs: Any) -> None:
+        super().__init__(node_name, **kwargs)
+        self._status_timer = None
+        self.engine: Engine | None = None
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        params.declare_all(self)
+        self.tokenizer = None
+        self.journal: J.Journal | None = None
+        self._label = "unconfigured"
+        self._active = False
+        self._joint_names: list[str] = []
+        self._generation = threading.Lock()
+        self._requests: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
+        self._latest_pose: PoseStamped | None = None
+        self._latencies = Latencies()
+        self._counters = {"requests": 0, "failed_requests": 0, "policy_steps": 0, "rejected_observations": 0}
+        self._version = 0              # bumped by every state change; the status digest is cached per version
+        self._digest = (-1, "")
+        self._dirty = threading.Event()
+
+        services = ReentrantCallbackGroup()
+        self._action_group = ReentrantCallbackGroup()
+        policy = MutuallyExclusiveCallbackGroup()
+        self._timer_group = MutuallyExclusiveCallbackGroup()
+        for srv, name, handler in ((Snapshot, "~/snapshot", self._snapshot), (Restore, "~/restore", self._restore),
+                                   (Fork, "~/fork", self._fork), (Rollback, "~/rollback", self._rollback),
+                                   (ListCapsules, "~/list_capsules", self._list),
+                                   (DropCapsule, "~/drop_capsule", self._drop)):
+            self.create_service(srv, name, handler, callback_group=services)
+        self._generate_server = ActionServer(
+            self, Generate, "~/generate", self._execute_generate, goal_callback=lambda _: GoalResponse.ACCEPT,
+            cancel_callback=lambda _: CancelResponse.ACCEPT, callback_group=self._action_group)
+        self.create_subscription(JointState, "~/joint_states", self._on_joint_state, 10, callback_group=policy)
+        self.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, 10, callback_group=policy)
+        self._action_pub = self.create_publisher(JointTrajectoryPoint, "~/action", 10)
+        self._events = self.create_publisher(CapsuleEvent, "~/events", _EVENTS_QOS)
+        self._status_pub = self.create_publisher(RuntimeStatus, "~/status", _STATUS_QOS)
+        self._diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.create_timer(_DIRTY_POLL_S, self._publish_if_dirty, callback_group=self._timer_group)
+        self._restart_status_timer(self.get_parameter("status_rate").value)
+        self._dirty.set()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        vals = params.values(self)
+        reason = params.check_together(vals)
+        if reason:
+            self.get_logger().error(f"configure refused: {reason}")
+            return TransitionCallbackReturn.FAILURE
+        try:
+            self.engine, self.tokenizer = self._build(vals)
+        except Exception as exc:  # any failure to load is a failed transition, never a dead node
+            self.get_logger().error(f"configure failed: {outcome(exc)[1]}")
+            return TransitionCallbackReturn.FAILURE
+        self._joint_names = list(vals["policy.joint_names"])
+        self.engine.capsules.subscribe(self._on_store_event)
+        e = self.engine
+        self.get_logger().info(
+            f"configured: {'embedded default' if not vals['model_path'] else vals['model_path']} on {e.device} "
+            f"({str(e.dtype).removeprefix('torch.')}, {'CUDA graphs' if e.cuda_graphs else 'eager'}), "
+            f"arena {e.arena.nbytes / 2**20:.1f} MiB, {len(e.capsules.list())} capsules loaded")
+        return self._moved("inactive")
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._active = True
+        return self._moved("active")
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._active = False  # a running generation stops at its next committed boundary
+        return self._moved("inactive")
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._free()
+        return self._moved("unconfigured")
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._active = False
+        self._free()
+        return self._moved("finalized")
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._active = False
+        self._free()
+        return self._moved("unconfigured")
+
+    def _moved(self, label: str) -> TransitionCallbackReturn:
+        self._label = label
+        self._dirty.set()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _build(self, vals: dict[str, Any]) -> tuple[Engine, Any]:
+        device = vals["device"]
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidArgument(f"device={device!r} but CUDA is not available (torch {torch.__version__})")
+        opts = dict(device=device, dtype=getattr(torch, vals["dtype"]), max_seq_len=vals["max_seq_len"],
+                    cuda_graphs=vals["cuda_graphs"], capsule_dir=vals["capsule_dir"] or None,
+                    budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
+        dims = (vals["policy.obs_dim"], vals["policy.action_dim"])
+        if vals["model_path"]:
+            engine = Engine.from_pretrained(vals["model_path"], seed=vals["seed"], policy_dims=dims, **opts)
+        else:
+            engine = Engine.from_config(ModelConfig.tiny(obs_dim=dims[0], action_dim=dims[1]), seed=vals["seed"],
+                                        **opts)
+        return engine, load_tokenizer(vals["model_path"])
+
+    def _free(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        with engine.lock:  # in-flight operations finish first
+            self.engine = None
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- parameters ------------------------------------------------------------------------------
+    def _on_set_parameters(self, changed: list) -> Any:
+        result = params.check(changed)
+        if result.successful:
+            for p in changed:
+                if p.name == "spill" and self.engine is not None:
+                    self.engine.capsules.spill = bool(p.value)
+                elif p.name == "status_rate" and hasattr(self, "_timers"):  # not while declaring
+                    self._restart_status_timer(p.value)
+        return result
+
+    def _restart_status_timer(self, rate: float) -> None:
+        if self._status_timer is not None:
+            self.destroy_timer(self._status_timer)
+            self._status_timer = None
+        if rate > 0:
+            self._status_timer = self.create_timer(1.0 / rate, self._publish_status, callback_group=self._timer_group)
+
+    # ---- services ----------------------------------------------------------------------------------
+    def _serve(self, kind: str, response: Any, call: Callable[[Engine], tuple[CapsuleInfo | None, dict]],
+               journal: dict | None = None) -> Any:
+        """Run ``call`` under the engine lock and fill the common response fields.
+
+        ``call`` returns the capsule involved and the journal outcome fields. No
+        exception leaves this method: each becomes success=false with its code.
+        """
+        self._counters["requests"] += 1
+        engine = self.engine
+        info, code, message = None, int(ErrorCode.OK), "ok"
+        start = time.perf_counter()
+        try:
+            if not self._active or engine is None:
+                raise NotActive(f"node is {self._label}, not active: activate it to serve {kind}")
+            with engine.lock:
+                try:
+                    info, extra = call(engine)
+                except Exception as exc:
+                    if journal is not None and self.journal is not None:
+                        self._record(kind, journal, engine, exc)
+                    raise
+                if journal is not None and self.journal is not None:
+                    self._record(kind, journal, engine, None, extra)
+                response.position = engine.position
+            message = extra.get("message", "ok")
+        except Exception as exc:
+            code, message = outcome(exc)
+            self._counters["failed_requests"] += 1
+            if code == ErrorCode.INTERNAL:
+                self.get_logger().error(f"{kind} failed: {message}\n{traceback.format_exc()}")
+            else:
+                self.get_logger().info(f"{kind} refused ({ErrorCode(code).name}): {message}")
+            if engine is not None:
+                response.position = engine.position
+        ms = (time.perf_counter() - start) * 1e3
+        response.success, response.error_code, response.message, response.latency_ms = code == 0, code, message, ms
+        self._latencies.add(kind, ms)
+        if kind != "list":
+            self._publish_event(kind, info, response)
+            self._dirty.set()
+        return response
+
+    def _record(self, kind: str, request: dict, engine: Engine, exc: BaseException | None,
+                extra: dict | None = None) -> None:
+        out = {"error_code": outcome(exc)[0] if exc else 0, "position": engine.position}
+        if exc is None:
+            out.update({k: v for k, v in (extra or {}).items() if k != "message"})
+            if kind not in (J.PREFILL, J.DECODE, J.STEP):  # capsule calls: check the whole state on replay
+                out["state_digest"] = engine.state_digest()
+        self.journal.record(kind, request, out)
+
+    @property
+    def serving(self) -> bool:
+        return self._active and self.engine is not None
+
+    def note_state_change(self, kind: str, request: dict, extra: dict) -> None:
+        """Called holding the engine lock after a prefill, decode or policy step."""
+        self._version += 1
+        if self.journal is not None:
+            self._record(kind, request, self.engine, None, extra)
+
+    def _snapshot(self, request: Snapshot.Request, response: Snapshot.Response) -> Snapshot.Response:
+        tier = request.tier or self.get_parameter("default_tier").value
+        fields = (request.name, tier, request.pin)
+
+        def call(engine: Engine):
+            rid = request.request_id
+            if len(rid) > _MAX_REQUEST_ID:
+                raise InvalidArgument(f"request_id is {len(rid)} characters; at most {_MAX_REQUEST_ID}")
+            if rid and rid in self._requests:
+                earlier, capsule_id = self._requests[rid]
+                if earlier != fields:
+                    raise InvalidArgument(f"request_id {rid!r} was used with (name, tier, pin) = {earlier}, "
+                                          f"now {fields}: a request_id names one snapshot")
+                info = engine.capsules.get(capsule_id, wait=False)
+                return self._fill(response, info), {"message": f"repeat of request_id {rid!r}: same capsule",
+                                                    "capsule_id": info.id, "repeat": True}
+            info = engine.snapshot(name=request.name or None, tier=tier, pin=request.pin)
+            if rid:
+                self._requests[rid] = (fields, info.id)
+                while len(self._requests) > _REQUEST_IDS:
+                    self._requests.popitem(last=False)
+            return self._fill(response, info), {"capsule_id": info.id}
+
+        return self._serve(J.SNAPSHOT, response, call, {"name": request.name, "tier": tier, "pin": request.pin,
+                                                       "request_id": request.request_id})
+
+    def _restore(self, request: Restore.Request, response: Restore.Response) -> Restore.Response:
+        def call(engine: Engine):
+            info = engine.restore(request.capsule_id, verify=request.verify)
+            self._version += 1
+            return self._fill(response, info), {}
+
+        return self._serve(J.RESTORE, response, call, {"capsule_id": request.capsule_id, "verify": request.verify})
+
+    def _fork(self, request: Fork.Request, response: Fork.Response) -> Fork.Response:
+        def call(engine: Engine):
+            info = engine.fork(request.source_id or None, name=request.name or None)
+            response.source_id = request.source_id
+            return self._fill(response, info), {"capsule_id": info.id}
+
+        return self._serve(J.FORK, response, call, {"source_id": request.source_id, "name": request.name})
+
+    def _rollback(self, request: Rollback.Request, response: Rollback.Response) -> Rollback.Response:
+        def call(engine: Engine):
+            if request.to_position < -1:
+                raise InvalidArgument(f"to_position must be >= 0, or -1 for unused; got {request.to_position}")
+            engine.rollback(steps=request.steps, to_position=None if request.to_position == -1 else request.to_position)
+            self._version += 1
+            return None, {}
+
+        return self._serve(J.ROLLBACK, response, call, {"steps": request.steps, "to_position": request.to_position})
+
+    def _list(self, request: ListCapsules.Request, response: ListCapsules.Response) -> ListCapsules.Response:
+        def call(engine: Engine):
+            response.capsules = [info_msg(i) for i in engine.capsules.list(request.tier)]
+            return None, {}
+
+        return self._serve("list", response, call)
+
+    def _drop(self, request: DropCapsule.Request, response: DropCapsule.Response) -> DropCapsule.Response:
+        def call(engine: Engine):
+            info = engine.capsules.drop(request.capsule_id)
+            response.capsule_id = info.id
+            return info, {}
+
+        return self._serve(J.DROP, response, call, {"capsule_id": request.capsule_id})
+
+    @staticmethod
+    def _fill(response: Any, info: CapsuleInfo) -> CapsuleInfo:
+        response.capsule_id = info.id
+        response.capsule = info_msg(info)
+        return info
+
+    # ---- generate action -----------------------------------------------------------------------
+    def _execute_generate(self, goal_handle) -> Generate.Result:
+        result = Generate.Result()
+        if not self._generation.acquire(blocking=False):
+            return self._finish_goal(goal_handle, result, Busy("another generate goal is running; one at a time"))
+        try:
+            engine = self.engine
+            if not self._active or engine is None:
+                raise NotActive(f"node is {self._label}, not active")
+            return self._finish_goal(goal_handle, result, run_generation(self, engine, goal_handle, result))
+        except Exception as exc:
+            return self._finish_goal(goal_handle, result, exc)
+        finally:
+            self._generation.release()
+            self._dirty.set()
+
+    def _finish_goal(self, goal_handle, result: Generate.Result, exc: BaseException | None) -> Generate.Result:
+        if exc is None:
+            result.success, result.error_code, result.message = True, 0, result.message or "ok"
+            if goal_handle.is_cancel_requested:
+                goal_handle.canceled()
+            else:
+                goal_handle.succeed()
+            return result
+        code, message = outcome(exc)
+        if code == ErrorCode.INTERNAL:
+            self.get_logger().error(f"generate failed: {message}\n{traceback.format_exc()}")
+        result.success, result.error_code, result.message = False, code, message
+        if self.engine is not None:
+            result.position = self.engine.position
+        goal_handle.abort()
+        return result
+
+    # ---- policy topics ------------------------------------------------------------------------------
+    def _on_pose(self, msg: PoseStamped) -> None:
+        self._latest_pose = msg
+
+    def _on_joint_state(self, msg: JointState) -> None:
+        engine = self.engine
+        if not self._active or engine is None or not engine.config.policy:
+            return
+        if self._latest_pose is None:
+            self._reject("no ~/ee_pose received yet; an observation needs both joint states and the pose")
+            return
+        try:
+            obs = build_observation(self._joint_names, msg, self._latest_pose)
+            with engine.lock:
+                action = engine.step(obs)
+                self.note_state_change(J.STEP, {"observation": obs.tolist()}, {"action": action.tolist()})
+        except InvalidArgument as exc:
+            self._reject(str(exc))
+            return
+        except Exception as exc:  # a bad observation must never take the node down
+            self.get_logger().error(f"policy step failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
+            return
+        self._counters["policy_steps"] += 1
+        self._action_pub.publish(JointTrajectoryPoint(positions=action.double().tolist()))
+
+    def _reject(self, why: str) -> None:
+        self._counters["rejected_observations"] += 1
+        self.get_logger().warning(f"observation dropped: {why}", throttle_duration_sec=5.0)
+
+    # ---- events and telemetry -----------------------------------------------------------------------
+    def _on_store_event(self, kind: str, info: CapsuleInfo) -> None:
+        """Spills and evictions happen inside other operations; they are announced on their own."""
+        if kind in ("spill", "evict"):
+            engine = self.engine
+            msg = CapsuleEvent(kind=kind, capsule=info_msg(info), success=True, error_code=0,
+                               position=engine.position if engine is not None else 0,
+                               message=f"capsule {info.id} {'moved to ' + info.tier if kind == 'spill' else 'evicted'}")
+            msg.header.stamp = self.get_clock().now().to_msg()
+            self._events.publish(msg)
+
+    def _publish_event(self, kind: str, info: CapsuleInfo | None, response: Any) -> None:
+        msg = CapsuleEvent(kind=kind, capsule=info_msg(info), position=response.position,
+                           latency_ms=response.latency_ms, success=response.success,
+                           error_code=response.error_code, message=response.message)
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._events.publish(msg)
+
+    def _publish_if_dirty(self) -> None:
+        if self._dirty.is_set():
+            self._publish_status()
+
+    def _publish_status(self) -> None:
+        self._dirty.clear()
+        engine = self.engine
+        digest = ""
+        if engine is not None:
+            with engine.lock:
+                if self._digest[0] != (self._version, engine.position):
+                    self._digest = ((self._version, engine.position), engine.state_digest())
+                digest = self._digest[1]
+        now = self.get_clock().now().to_msg()
+        status = status_msg(self._label, engine, digest, now)
+        self._status_pub.publish(status)
+        self._diagnostics.publish(diagnostics_msg(self.get_name(), status, self._latencies, self._counters, now))
+
+    def destroy_node(self) -> None:
+        self._active = False
+        self._generate_server.destroy()
+        self._free()
+        super().destroy_node()

@@ -1,0 +1,49 @@
+"""One policy observation from a JointState and an end-effector PoseStamped.
+
+Layout: joint positions, joint velocities (by name, in the configured order),
+end-effector position (3), then its rotation as the first two columns of the
+rotation matrix (6). The two columns are used instead of Euler angles or a
+quaternion because they are continuous over all rotations (no wrap-around at
++-pi, no q/-q ambiguity), which is what a learned head wants as input.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+from transforms3d.quaternions import quat2mat
+
+from ..errors import InvalidArgument
+
+
+def observation_size(joints: int) -> int:
+    return 2 * joints + 9
+
+
+def build_observation(joint_names: Sequence[str], joint_state, pose_stamped) -> np.ndarray:
+    """float32 vector of ``observation_size(len(joint_names))``; InvalidArgument if a message does not fit."""
+    index = {name: i for i, name in enumerate(joint_state.name)}
+    missing = [n for n in joint_names if n not in index]
+    if missing:
+        raise InvalidArgument(f"joint_states lacks joints {missing[:5]} (has {list(joint_state.name)[:10]})")
+    if len(joint_state.position) != len(joint_state.name):
+        raise InvalidArgument(f"joint_states has {len(joint_state.name)} names but "
+                              f"{len(joint_state.position)} positions")
+    if joint_state.velocity and len(joint_state.velocity) != len(joint_state.name):
+        raise InvalidArgument(f"joint_states has {len(joint_state.name)} names but "
+                              f"{len(joint_state.velocity)} velocities")
+    rows = [index[n] for n in joint_names]
+    position = np.asarray(joint_state.position, dtype=np.float64)[rows]
+    # JointState may leave velocity empty (not measured); zero is then the neutral input.
+    velocity = (np.asarray(joint_state.velocity, dtype=np.float64)[rows] if len(joint_state.velocity)
+                else np.zeros(len(rows)))
+    p, q = pose_stamped.pose.position, pose_stamped.pose.orientation
+    norm = math.sqrt(q.w * q.w + q.x * q.x + q.y * q.y + q.z * q.z)
+    if not math.isfinite(norm) or norm < 1e-6:
+        raise InvalidArgument(f"ee_pose orientation is not a rotation (quaternion norm {norm})")
+    rotation = quat2mat([q.w / norm, q.x / norm, q.y / norm, q.z / norm])
+    obs = np.concatenate([position, velocity, [p.x, p.y, p.z], rotation[:, 0], rotation[:, 1]])
+    if not np.isfinite(obs).all():
+        raise InvalidArgument("observation contains NaN or infinity")
+    return obs.astype(np.float32)

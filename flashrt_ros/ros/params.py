@@ -1,0 +1,129 @@
+"""The node's parameters: one table gives each its default, type, range and meaning.
+
+``config/flashrt.yaml`` lists every one of them with its default; a test keeps
+the two in step. Parameters that shape the model or the arena are read-only:
+they are read once, at configure, and changing them means a new node.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType,
+                                SetParametersResult)
+
+from ..capsule.info import TIERS
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"cpu|cuda(:\d{1,2})?")
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: Any
+    description: str
+    read_only: bool = True
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+
+    def descriptor(self) -> ParameterDescriptor:
+        kind = {bool: ParameterType.PARAMETER_BOOL, int: ParameterType.PARAMETER_INTEGER,
+                float: ParameterType.PARAMETER_DOUBLE, str: ParameterType.PARAMETER_STRING,
+                list: ParameterType.PARAMETER_STRING_ARRAY}[type(self.default)]
+        d = ParameterDescriptor(name=self.name, type=kind, description=self.description,
+                                read_only=self.read_only)
+        if self.choices:
+            d.additional_constraints = "one of: " + ", ".join(self.choices)
+        if isinstance(self.default, bool) or self.lo is None:
+            return d
+        if isinstance(self.default, int):
+            d.integer_range = [IntegerRange(from_value=int(self.lo), to_value=int(self.hi), step=0)]
+        else:
+            d.floating_point_range = [FloatingPointRange(from_value=float(self.lo), to_value=float(self.hi), step=0.0)]
+        return d
+
+
+PARAMS = (
+    Param("model_path", "", "Hugging Face checkpoint folder; empty = the embedded default model"),
+    Param("seed", 0, "seed of the embedded default's weights and of heads a checkpoint lacks", lo=0, hi=2**31 - 1),
+    Param("device", "cpu", "torch device of the model and the state arena", choices=("cpu", "cuda", "cuda:N")),
+    Param("dtype", "float32", "model and state dtype", choices=DTYPES),
+    Param("max_seq_len", 8192, "positions the state arena holds", lo=16, hi=1 << 20),
+    Param("cuda_graphs", True, "replay decode as captured CUDA graphs (CUDA devices only)"),
+    Param("capsule_dir", "", "folder of the disk tier; capsules found there are loaded at configure"),
+    Param("default_tier", "device", "tier of a Snapshot whose request leaves tier empty", read_only=False,
+          choices=TIERS),
+    Param("budgets.device_mb", 0, "device-tier budget in MiB; 0 = 8 x the arena", lo=0, hi=1 << 24),
+    Param("budgets.host_mb", 0, "host-tier budget in MiB; 0 = 32 x the arena", lo=0, hi=1 << 24),
+    Param("budgets.disk_mb", 4096, "disk-tier budget in MiB", lo=0, hi=1 << 24),
+    Param("spill", True, "over budget: move the least recently used unpinned capsule down a tier "
+          "(false: refuse with BUDGET_EXCEEDED)", read_only=False),
+    Param("rollback_depth", 8, "committed boundaries Rollback can step back through", lo=1, hi=4096),
+    Param("policy.obs_dim", 23, "observation size: 2 x joints (positions, velocities) + 3 (ee position) "
+          "+ 6 (ee rotation, two matrix columns); 0 turns policy mode off", lo=0, hi=65536),
+    Param("policy.action_dim", 7, "action size published on ~/action; 0 turns policy mode off", lo=0, hi=65536),
+    Param("policy.joint_names", [f"joint{i}" for i in range(1, 8)],
+          "joints read from ~/joint_states by name, in this order (obs_dim = 2 x their count + 9)"),
+    Param("status_rate", 1.0, "Hz of ~/status and /diagnostics (also sent on every change); 0 = on change only",
+          read_only=False, lo=0.0, hi=100.0),
+    Param("autostart", False, "configure and activate at start"),
+)
+BY_NAME = {p.name: p for p in PARAMS}
+
+
+def declare_all(node: Any) -> None:
+    node.declare_parameters("", [(p.name, p.default, p.descriptor()) for p in PARAMS])
+
+
+def values(node: Any) -> dict[str, Any]:
+    return {p.name: node.get_parameter(p.name).value for p in PARAMS}
+
+
+def check(parameters: list) -> SetParametersResult:
+    """Value checks beyond type and range (which rclpy applies from the descriptors)."""
+    for parameter in parameters:
+        reason = _reason(parameter.name, parameter.value)
+        if reason:
+            return SetParametersResult(successful=False, reason=f"{parameter.name}: {reason}")
+    return SetParametersResult(successful=True)
+
+
+def _reason(name: str, value: Any) -> str:
+    if name == "device" and not _DEVICE.fullmatch(str(value)):
+        return f"{value!r} is not a torch device of the form cpu, cuda or cuda:N"
+    if name == "dtype" and value not in DTYPES:
+        return f"{value!r} is not one of {', '.join(DTYPES)}"
+    if name == "default_tier" and value not in TIERS:
+        return f"{value!r} is not one of {', '.join(TIERS)}"
+    if name == "policy.joint_names":
+        if any(not n for n in value):
+            return "joint names must not be empty"
+        if len(set(value)) != len(value):
+            return "joint names must be unique"
+    return ""
+
+
+def check_together(vals: dict[str, Any]) -> str:
+    """Cross-parameter checks, done at configure; returns the reason for a refusal, or ''."""
+    obs, act = vals["policy.obs_dim"], vals["policy.action_dim"]
+    if (obs == 0) != (act == 0):
+        return f"policy.obs_dim={obs} and policy.action_dim={act}: both > 0, or both 0 to turn policy mode off"
+    joints = vals["policy.joint_names"]
+    if obs and obs != 2 * len(joints) + 9:
+        return (f"policy.obs_dim={obs} does not fit {len(joints)} joint names "
+                f"(2 x {len(joints)} + 9 = {2 * len(joints) + 9})")
+    return ""
+
+
+def budgets(vals: dict[str, Any]) -> dict[str, int]:
+    """Engine budgets in bytes; tiers left at 0 keep the engine's default."""
+    out = {}
+    for tier in TIERS:
+        mb = vals[f"budgets.{tier}_mb"]
+        if mb or tier == "disk":
+            out[tier] = int(mb) * _MiB
+    return out

@@ -1,0 +1,76 @@
+"""A live flashrt node and a client node in one process, over real rclpy and DDS.
+
+The executor spins both nodes in a background thread; callers block on a
+future's done-callback (the fast way, per the notes), never on spinning.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rclpy.action import ActionClient
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.parameter import Parameter
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+from flashrt_ros.action import Generate
+from flashrt_ros.ros.node import FlashRTNode
+from flashrt_ros.srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
+
+STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
+SERVICES = {"snapshot": Snapshot, "restore": Restore, "fork": Fork, "rollback": Rollback,
+            "list_capsules": ListCapsules, "drop_capsule": DropCapsule}
+
+
+def wait_future(future, timeout: float = 30.0):
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout):
+        raise TimeoutError("no answer within %.0f s" % timeout)
+    return future.result()
+
+
+class Harness:
+    def __init__(self, context, overrides: dict[str, Any] | None = None, activate: bool = True,
+                 name: str = "flashrt") -> None:
+        values = {"max_seq_len": 512, "status_rate": 0.0, **(overrides or {})}
+        self.node = FlashRTNode(name, context=context,
+                                parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
+        self.client = _client_node(context)
+        self.clients = {k: self.client.create_client(t, f"/{name}/{k}") for k, t in SERVICES.items()}
+        self.generate_client = ActionClient(self.client, Generate, f"/{name}/generate")
+        self.executor = MultiThreadedExecutor(num_threads=6, context=context)
+        self.executor.add_node(self.node)
+        self.executor.add_node(self.client)
+        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self._thread.start()
+        for client in self.clients.values():
+            assert client.wait_for_service(timeout_sec=10)
+        if activate:
+            self.node.trigger_configure()
+            self.node.trigger_activate()
+
+    def call(self, service: str, timeout: float = 30.0, **fields: Any):
+        request = SERVICES[service].Request(**fields)
+        return wait_future(self.clients[service].call_async(request), timeout)
+
+    def generate(self, prompt: str = "", token_ids=(), max_new_tokens: int = 8, feedback=None,
+                 timeout: float = 60.0):
+        assert self.generate_client.wait_for_server(timeout_sec=10)
+        goal = Generate.Goal(prompt=prompt, token_ids=list(token_ids), max_new_tokens=max_new_tokens)
+        handle = wait_future(self.generate_client.send_goal_async(goal, feedback_callback=feedback), timeout)
+        assert handle.accepted
+        return handle, handle.get_result_async()
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=5)
+        self.node.destroy_node()
+        self.client.destroy_node()
+        self._thread.join(5)
+
+
+def _client_node(context):
+    import rclpy
+
+    return rclpy.create_node(f"flashrt_test_client_{int(time.monotonic_ns() % 1_000_000)}", context=context)

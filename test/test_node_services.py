@@ -1,0 +1,214 @@
+"""The node over real rclpy and DDS: every service's success path and its refusals."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rclpy")
+
+from flashrt_ros.errors import ErrorCode  # noqa: E402
+from ros_harness import Harness, wait_future  # noqa: E402
+
+
+@pytest.fixture
+def live(ros_context, tmp_path):
+    h = Harness(ros_context, {"capsule_dir": str(tmp_path / "capsules")})
+    yield h
+    h.close()
+
+
+def _prefill(h: Harness, n: int = 24) -> None:
+    _, result = h.generate(token_ids=list(range(1, n + 1)), max_new_tokens=0)
+    assert wait_future(result).result.success
+
+
+def _ok(response) -> None:
+    assert response.success, response.message
+    assert response.error_code == ErrorCode.OK
+
+
+def _refused(response, code: ErrorCode) -> None:
+    assert not response.success
+    assert response.error_code == code, (ErrorCode(response.error_code).name, response.message)
+    assert response.message
+
+
+def test_every_service_success_path(live):
+    h = live
+    _prefill(h)
+    snap = h.call("snapshot", name="start", tier="host", pin=True, request_id="a")
+    _ok(snap)
+    assert snap.position == 24 and snap.capsule.tier == "host" and snap.capsule.pinned
+    assert snap.latency_ms > 0
+    disk = h.call("snapshot", name="on-disk", tier="disk")
+    _ok(disk)
+    assert list((Path(h.node.get_parameter("capsule_dir").value)).glob("*")), "disk tier wrote nothing"
+    fork = h.call("fork", source_id=snap.capsule_id, name="branch")
+    _ok(fork)
+    assert fork.capsule.parent == snap.capsule_id and fork.source_id == snap.capsule_id
+    live_fork = h.call("fork", name="from-live")
+    _ok(live_fork)
+    assert live_fork.source_id == ""
+
+    _, result = h.generate(max_new_tokens=5)  # continue from the live state
+    assert wait_future(result).result.position == 29
+    back = h.call("rollback", steps=2, to_position=-1)
+    _ok(back)
+    assert back.position == 27
+    exact = h.call("rollback", steps=0, to_position=25)
+    _ok(exact)
+    assert exact.position == 25
+
+    restored = h.call("restore", capsule_id=snap.capsule_id, verify=True)
+    _ok(restored)
+    assert restored.position == 24 and restored.capsule_id == snap.capsule_id
+    assert h.node.engine.state_digest() == h.node.engine.capsules.get(snap.capsule_id).digest
+
+    listed = h.call("list_capsules")
+    _ok(listed)
+    assert {c.name for c in listed.capsules} == {"start", "on-disk", "branch", "from-live"}
+    host_only = h.call("list_capsules", tier="host")
+    assert sorted(c.name for c in host_only.capsules) == ["branch", "start"]  # a fork lives with its source
+
+    dropped = h.call("drop_capsule", capsule_id="branch")
+    _ok(dropped)
+    assert dropped.capsule_id == fork.capsule_id
+    assert len(h.call("list_capsules").capsules) == 3
+
+
+def test_refusals_carry_a_code_and_a_message_and_the_node_keeps_serving(live, tmp_path):
+    h = live
+    _prefill(h)
+    before = h.node.engine.state_digest()
+    cases = [
+        ("restore", {"capsule_id": "no-such-capsule"}, ErrorCode.UNKNOWN_CAPSULE),
+        ("restore", {"capsule_id": ""}, ErrorCode.INVALID_ARGUMENT),
+        ("drop_capsule", {"capsule_id": "no-such-capsule"}, ErrorCode.UNKNOWN_CAPSULE),
+        ("fork", {"source_id": "no-such-capsule"}, ErrorCode.UNKNOWN_CAPSULE),
+        ("snapshot", {"tier": "moon"}, ErrorCode.INVALID_ARGUMENT),
+        ("list_capsules", {"tier": "moon"}, ErrorCode.INVALID_ARGUMENT),
+        ("rollback", {"steps": -1, "to_position": -1}, ErrorCode.INVALID_ARGUMENT),
+        ("rollback", {"steps": 100, "to_position": -1}, ErrorCode.INVALID_ARGUMENT),
+        ("rollback", {"to_position": 10_000}, ErrorCode.INVALID_ARGUMENT),
+        ("rollback", {"to_position": -2}, ErrorCode.INVALID_ARGUMENT),
+        ("snapshot", {"request_id": "x" * 300}, ErrorCode.INVALID_ARGUMENT),
+    ]
+    for name in ("../escape", "../../etc/passwd", "/abs/path", "a/b", "..", ".hidden", "nul\x01byte", "x" * 200):
+        cases.append(("snapshot", {"name": name, "tier": "disk"}, ErrorCode.INVALID_ARGUMENT))
+        cases.append(("fork", {"name": name}, ErrorCode.INVALID_ARGUMENT))
+    for service, fields, code in cases:
+        _refused(h.call(service, **fields), code)
+    assert h.node.engine.state_digest() == before, "a refused request changed the live state"
+    outside = [p for p in tmp_path.rglob("*") if p.is_file() and "capsules" not in p.parts]
+    assert outside == [], f"files written outside capsule_dir: {outside}"
+    _ok(h.call("snapshot", name="still-serving"))
+
+
+def test_request_id_makes_snapshot_idempotent(live):
+    h = live
+    _prefill(h)
+    first = h.call("snapshot", name="s", request_id="bt-tick-7")
+    again = h.call("snapshot", name="s", request_id="bt-tick-7")
+    _ok(first)
+    _ok(again)
+    assert again.capsule_id == first.capsule_id and "repeat" in again.message
+    assert len(h.call("list_capsules").capsules) == 1
+    _refused(h.call("snapshot", name="other", request_id="bt-tick-7"), ErrorCode.INVALID_ARGUMENT)
+    _ok(h.call("drop_capsule", capsule_id=first.capsule_id))
+    _refused(h.call("snapshot", name="s", request_id="bt-tick-7"), ErrorCode.UNKNOWN_CAPSULE)
+
+
+def test_inactive_node_answers_not_active_to_everything(live):
+    h = live
+    h.node.trigger_deactivate()
+    for service, fields in [("snapshot", {}), ("restore", {"capsule_id": "x"}), ("fork", {}),
+                            ("rollback", {"steps": 1, "to_position": -1}), ("list_capsules", {}),
+                            ("drop_capsule", {"capsule_id": "x"})]:
+        _refused(h.call(service, **fields), ErrorCode.NOT_ACTIVE)
+    _, result = h.generate(prompt="hi", max_new_tokens=2)
+    _refused(wait_future(result).result, ErrorCode.NOT_ACTIVE)
+    h.node.trigger_cleanup()
+    assert h.node.engine is None
+    _refused(h.call("list_capsules"), ErrorCode.NOT_ACTIVE)
+    h.node.trigger_configure()
+    h.node.trigger_activate()
+    _ok(h.call("list_capsules"))
+
+
+def test_generate_streams_feedback_reports_ttft_and_matches_the_engine(live):
+    from flashrt_ros.runtime import Engine, ModelConfig
+    from flashrt_ros.runtime.tokenizer import ByteTokenizer
+
+    h = live
+    seen = []
+    _, result = h.generate(prompt="pick the red cube", max_new_tokens=12, feedback=lambda f: seen.append(
+        list(f.feedback.tokens)))
+    res = wait_future(result).result
+    assert res.success, res.message
+    assert res.ttft_ms > 0 and res.position == len(ByteTokenizer().encode("pick the red cube")) + len(res.tokens)
+    reference = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512)
+    reference.prefill(ByteTokenizer().encode("pick the red cube"))
+    expected = reference.generate(12)
+    stop = expected.index(257) + 1 if 257 in expected else 12
+    assert list(res.tokens) == expected[:stop]
+    assert seen and seen[-1] == list(res.tokens), "feedback did not stream the tokens"
+
+
+def test_generate_refusals_and_cancel(live):
+    h = live
+    for goal, code in [({"token_ids": [999_999]}, ErrorCode.INVALID_ARGUMENT),
+                       ({"prompt": "x", "max_new_tokens": 10_000}, ErrorCode.INVALID_ARGUMENT),
+                       ({"max_new_tokens": 3}, ErrorCode.INVALID_ARGUMENT),           # empty prompt, empty state
+                       ({"prompt": "x", "max_new_tokens": -1}, ErrorCode.INVALID_ARGUMENT)]:
+        _, result = h.generate(**goal)
+        _refused(wait_future(result).result, code)
+    assert h.node.engine.position == 0
+
+    streamed = []
+    handle, result = h.generate(prompt="a long answer", max_new_tokens=400, feedback=streamed.append)
+    busy_handle, busy = h.generate(prompt="second", max_new_tokens=2)
+    _refused(wait_future(busy).result, ErrorCode.BUSY)
+    deadline = time.monotonic() + 30
+    while len(streamed) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    wait_future(handle.cancel_goal_async())
+    res = wait_future(result).result
+    assert res.success and 0 < len(res.tokens) < 400 and "canceled" in res.message
+    assert res.position == h.node.engine.position  # stopped at a committed boundary
+
+
+def test_events_status_and_diagnostics_are_published(live):
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    from flashrt_ros.msg import CapsuleEvent, RuntimeStatus
+    from ros_harness import STATUS_QOS as status_qos
+
+    h = live
+    events, statuses, diags = [], [], []
+    h.client.create_subscription(CapsuleEvent, "/flashrt/events", events.append, 100)
+    h.client.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
+    _prefill(h)
+    time.sleep(0.5)  # discovery of the subscriptions
+    snap = h.call("snapshot", name="e")
+    h.call("restore", capsule_id=snap.capsule_id)
+    h.call("restore", capsule_id="missing")
+    h.call("rollback", steps=0, to_position=-1)
+    h.call("fork", source_id=snap.capsule_id)
+    h.call("drop_capsule", capsule_id=snap.capsule_id)
+    # A late subscriber still gets the last status (transient_local).
+    h.client.create_subscription(RuntimeStatus, "/flashrt/status", statuses.append, status_qos)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (len(events) < 6 or not statuses or not diags):
+        time.sleep(0.05)
+    kinds = [(e.kind, e.success) for e in events]
+    assert kinds == [("snapshot", True), ("restore", True), ("restore", False), ("rollback", True),
+                     ("fork", True), ("drop", True)]
+    assert events[2].error_code == ErrorCode.UNKNOWN_CAPSULE
+    status = statuses[-1]
+    assert status.lifecycle_state == "active" and status.position == 24 and status.capsule_count == 1
+    assert status.state_digest == h.node.engine.state_digest()
+    values = {kv.key: kv.value for kv in diags[-1].status[0].values}
+    assert values["graph_mode"] == "eager" and "snapshot_latency_ms" in values
+
