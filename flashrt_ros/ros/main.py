@@ -6,6 +6,7 @@ import sys
 
 import rclpy
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy._rclpy_pybind11 import RCLError
 
 from .node import FlashRTNode
 
@@ -29,6 +30,11 @@ def main(args: list[str] | None = None) -> int:
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except RCLError:
+        # SIGTERM shuts the context down; a wait that starts just after sees an
+        # invalid context instead of ExternalShutdownException. Only that is benign.
+        if rclpy.ok():
+            raise
     finally:
         if node is not None:
             node.destroy_node()

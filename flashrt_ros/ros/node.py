@@ -175,7 +175,7 @@ class FlashRTNode(LifecycleNode):
             for p in changed:
                 if p.name == "spill" and self.engine is not None:
                     self.engine.capsules.spill = bool(p.value)
-                elif p.name == "status_rate" and hasattr(self, "_timers"):  # not while declaring
+                elif p.name == "status_rate" and hasattr(self, "_timer_group"):  # not while declaring
                     self._restart_status_timer(p.value)
         return result
 
@@ -208,7 +208,7 @@ class FlashRTNode(LifecycleNode):
                     if journal is not None and self.journal is not None:
                         self._record(kind, journal, engine, exc)
                     raise
-                if journal is not None and self.journal is not None:
+                if journal is not None and self.journal is not None and not extra.get("repeat"):
                     self._record(kind, journal, engine, None, extra)
                 response.position = engine.position
             message = extra.get("message", "ok")
@@ -233,7 +233,7 @@ class FlashRTNode(LifecycleNode):
                 extra: dict | None = None) -> None:
         out = {"error_code": outcome(exc)[0] if exc else 0, "position": engine.position}
         if exc is None:
-            out.update({k: v for k, v in (extra or {}).items() if k != "message"})
+            out.update({k: v for k, v in (extra or {}).items() if k not in ("message", "repeat")})
             if kind not in (J.PREFILL, J.DECODE, J.STEP):  # capsule calls: check the whole state on replay
                 out["state_digest"] = engine.state_digest()
         self.journal.record(kind, request, out)

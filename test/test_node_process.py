@@ -1,0 +1,96 @@
+"""flashrt_node from install/ as its own process, driven from this one over DDS."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rclpy")
+
+from flashrt_ros.errors import ErrorCode  # noqa: E402
+from ros_harness import SERVICES, wait_future  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXECUTABLE = ROOT / "install" / "flashrt_ros" / "lib" / "flashrt_ros" / "flashrt_node"
+
+
+@pytest.mark.skipif(not EXECUTABLE.exists(), reason="needs the colcon install space (make test builds it)")
+def test_installed_node_serves_another_process_and_stops_on_sigterm(monkeypatch, tmp_path):
+    import rclpy
+    from rclpy.action import ActionClient
+    from rclpy.context import Context
+    from rclpy.executors import SingleThreadedExecutor
+
+    from flashrt_ros.action import Generate
+
+    # Both processes: discovery on this host only, in this run's private domain.
+    monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    log = open(tmp_path / "node.log", "w+")
+    proc = subprocess.Popen(
+        [str(EXECUTABLE), "--ros-args", "--params-file", str(ROOT / "config" / "flashrt.yaml"),
+         "-p", "autostart:=true", "-p", "max_seq_len:=512", "-p", f"capsule_dir:={tmp_path / 'capsules'}"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    context = Context()
+    rclpy.init(context=context)
+    client = rclpy.create_node("flashrt_process_test", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(client)
+    import threading
+
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    try:
+        clients = {k: client.create_client(t, f"/flashrt/{k}") for k, t in SERVICES.items()}
+        for c in clients.values():
+            assert c.wait_for_service(timeout_sec=90), "node process did not come up:\n" + _tail(log)
+
+        def call(service, **fields):
+            request = SERVICES[service].Request(**fields)
+            deadline = time.monotonic() + 60
+            while True:  # autostart: the services exist before activation ends
+                response = wait_future(clients[service].call_async(request), 60)
+                if response.error_code != ErrorCode.NOT_ACTIVE or time.monotonic() > deadline:
+                    return response
+                time.sleep(0.2)
+
+        assert call("list_capsules").success
+        actions = ActionClient(client, Generate, "/flashrt/generate")
+        assert actions.wait_for_server(timeout_sec=30)
+        handle = wait_future(actions.send_goal_async(Generate.Goal(prompt="hello", max_new_tokens=4)))
+        result = wait_future(handle.get_result_async()).result
+        assert result.success and len(result.tokens) >= 1 and result.ttft_ms > 0
+        snap = call("snapshot", name="proc", tier="disk", request_id="p1")
+        assert snap.success, snap.message
+        assert call("snapshot", name="proc", tier="disk", request_id="p1").capsule_id == snap.capsule_id
+        assert call("fork", source_id=snap.capsule_id).success
+        assert call("rollback", steps=1, to_position=-1).success
+        assert call("restore", capsule_id=snap.capsule_id, verify=True).position == snap.position
+        assert call("restore", capsule_id="nope").error_code == ErrorCode.UNKNOWN_CAPSULE
+        assert len(call("list_capsules").capsules) == 2
+        assert call("drop_capsule", capsule_id=snap.capsule_id).success
+
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=15)
+        took = time.monotonic() - started
+        output = _tail(log)
+        assert code == 0, output
+        assert took < 10, f"SIGTERM took {took:.1f} s"
+        assert "Traceback" not in output, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        executor.shutdown()
+        client.destroy_node()
+        context.try_shutdown()
+
+
+def _tail(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-4000:]
