@@ -283,7 +283,7 @@ class CapsuleStore:
         record = Record(info, pieces, log_runs)
         self._records[info.id] = record
         self._hold(record)
-        self._jobs.put(record)
+        self._jobs.put((record, list(record.pieces)))
         return record
 
     def _hold(self, record: Record) -> None:
@@ -303,9 +303,9 @@ class CapsuleStore:
 
     def _hash_worker(self) -> None:
         while True:
-            record = self._jobs.get()
+            record, pieces = self._jobs.get()  # the held pieces: a drop meanwhile empties record.pieces
             try:
-                read = lambda s, e, r=record: self._read(r, s, e)  # noqa: E731
+                read = lambda s, e, r=record, held=pieces: self._read(r, s, e, held)  # noqa: E731
                 digest = state_digest(self.layout.regions, record.info.position, read)
                 history = history_digest(self.layout.regions, record.info.position, read)
                 # Only _demote also replaces info, and it waits for ``hashed`` first.
@@ -317,10 +317,11 @@ class CapsuleStore:
                 # that the release needs, and it must not wait on us in turn.
                 record.hashed.set()
                 with self._lock:
-                    self._release(record.pieces)
+                    self._release(pieces)
 
-    def _read(self, record: Record, start: int, end: int):
-        parts = [p.view().cpu().numpy() for p in record.pieces_in(start, end)]
+    def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
+        covering = record.pieces_in(start, end) if pieces is None else _slice(pieces, start, end)
+        parts = [p.view().cpu().numpy() for p in covering]
         if sum(p.size for p in parts) != end - start:
             raise CorruptCapsule(f"capsule {record.info.id} does not cover arena bytes [{start}, {end})")
         return parts[0] if len(parts) == 1 else b"".join(p.tobytes() for p in parts)
