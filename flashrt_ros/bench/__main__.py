@@ -4,3 +4,9 @@ from . import capsules, runtime
 if __name__ == "__main__":
     runtime.run()
     capsules.run()
+    try:
+        from . import ros_services
+    except ImportError as exc:  # the ROS-free install (pip install -e .) has no rclpy
+        print(f"== ROS service overhead: skipped ({exc})")
+    else:
+        ros_services.run()
