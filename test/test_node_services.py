@@ -212,3 +212,34 @@ def test_events_status_and_diagnostics_are_published(live):
     values = {kv.key: kv.value for kv in diags[-1].status[0].values}
     assert values["graph_mode"] == "eager" and "snapshot_latency_ms" in values
 
+
+
+def test_lifecycle_services_drive_the_node_as_a_lifecycle_manager_would(ros_context):
+    """What Nav2's lifecycle manager calls: ~/get_state and ~/change_state."""
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState, GetState
+
+    h = Harness(ros_context, activate=False)
+    try:
+        get = h.client.create_client(GetState, "/flashrt/get_state")
+        change = h.client.create_client(ChangeState, "/flashrt/change_state")
+        assert get.wait_for_service(timeout_sec=10) and change.wait_for_service(timeout_sec=10)
+
+        def state() -> str:
+            return wait_future(get.call_async(GetState.Request())).current_state.label
+
+        def go(transition_id: int) -> bool:
+            request = ChangeState.Request()
+            request.transition.id = transition_id
+            return wait_future(change.call_async(request)).success
+
+        assert state() == "unconfigured"
+        assert h.call("list_capsules").error_code == ErrorCode.NOT_ACTIVE
+        assert go(Transition.TRANSITION_CONFIGURE) and state() == "inactive"
+        assert go(Transition.TRANSITION_ACTIVATE) and state() == "active"
+        _ok(h.call("snapshot"))
+        assert go(Transition.TRANSITION_DEACTIVATE) and state() == "inactive"
+        assert go(Transition.TRANSITION_CLEANUP) and state() == "unconfigured"
+        assert h.node.engine is None
+    finally:
+        h.close()
