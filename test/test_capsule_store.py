@@ -104,3 +104,14 @@ def test_a_capsule_dropped_before_its_digest_frees_everything_and_logs_nothing(t
     engine.capsules.drop(last.id)
     assert engine.capsules.used_bytes("device") == used
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
+
+
+def test_close_releases_every_capsule_and_stops_the_digest_thread(tiny_engine):
+    engine = tiny_engine
+    engine.prefill(list(range(1, 30)))
+    for tier in ("device", "host", "device"):
+        engine.snapshot(tier=tier)
+    assert engine.capsules.used_bytes("device") > 0
+    engine.close()
+    assert engine.capsules.used_bytes("device") == 0 and engine.capsules.used_bytes("host") == 0
+    assert engine.capsules.list() == [] and not engine.capsules._worker.is_alive()

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("rclpy")
 
 from flashrt_ros.errors import ErrorCode  # noqa: E402
-from flashrt_ros.journal import Journal, replay  # noqa: E402
+from flashrt_ros.replay import Journal, replay  # noqa: E402
 from ros_harness import Harness, wait_future  # noqa: E402
 from test_node_policy_params import JOINTS, _joint_state, _pose  # noqa: E402
 

@@ -121,7 +121,8 @@ class CapsuleStore:
         self.pool = DevicePool(self._budgets.get("device", 0), device)
         self.dir = Path(capsule_dir) if capsule_dir else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._hash_worker, name="capsule-digest", daemon=True).start()
+        self._worker = threading.Thread(target=self._hash_worker, name="capsule-digest", daemon=True)
+        self._worker.start()
         if self.dir is not None:
             self._load_disk()
 
@@ -301,9 +302,23 @@ class CapsuleStore:
                 if chunk.tier == "device":
                     self.pool.release(chunk)
 
+    def close(self) -> None:
+        """Stop the digest thread once its queue is done and forget every capsule held in
+        memory (disk files stay). The store is unusable afterwards."""
+        self._jobs.put(None)
+        self._worker.join()  # the caller must not hold the lock: the worker takes it to release
+        with self._lock:
+            for record in list(self._records.values()):
+                self._release(record.pieces)
+                record.pieces = []
+            self._records.clear()
+
     def _hash_worker(self) -> None:
         while True:
-            record, pieces = self._jobs.get()  # the held pieces: a drop meanwhile empties record.pieces
+            job = self._jobs.get()
+            if job is None:
+                return
+            record, pieces = job  # the held pieces: a drop meanwhile empties record.pieces
             try:
                 read = lambda s, e, r=record, held=pieces: self._read(r, s, e, held)  # noqa: E731
                 digest = state_digest(self.layout.regions, record.info.position, read)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .. import journal as J
 from ..errors import InvalidArgument, NotActive
+from ..replay import journal as J
 
 
 def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> None:
@@ -33,7 +33,7 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
     if ids:
         with engine.lock:
             engine.prefill(ids)
-            node.note_state_change(J.PREFILL, {"token_ids": list(ids)}, {})
+            node.note_state_change(J.PREFILL, {"token_ids": list(ids), "prompt": goal.prompt}, {})
     tokens: list[int] = []
     first = None
     feedback = Generate.Feedback()

@@ -12,10 +12,12 @@ one (observations apply in arrival order), timers another.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -29,12 +31,14 @@ from geometry_msgs.msg import PoseStamped
 from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectoryPoint
 
-from .. import journal as J
 from ..action import Generate
 from ..capsule import CapsuleInfo
 from ..errors import Busy, ErrorCode, InvalidArgument, NotActive
 from ..msg import CapsuleEvent, RuntimeStatus
-from ..runtime import Engine, ModelConfig
+from ..replay import journal as J
+from ..replay.bag import BagWriter
+from ..replay.session import session_of
+from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
@@ -62,6 +66,8 @@ class FlashRTNode(LifecycleNode):
         params.declare_all(self)
         self.tokenizer = None
         self.journal: J.Journal | None = None
+        self._bag: BagWriter | None = None
+        self._configures = 0
         self._label = "unconfigured"
         self._active = False
         self._joint_names: list[str] = []
@@ -98,6 +104,7 @@ class FlashRTNode(LifecycleNode):
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._configures += 1
         vals = params.values(self)
         reason = params.check_together(vals)
         if reason:
@@ -110,6 +117,13 @@ class FlashRTNode(LifecycleNode):
             return TransitionCallbackReturn.FAILURE
         self._joint_names = list(vals["policy.joint_names"])
         self.engine.capsules.subscribe(self._on_store_event)
+        if vals["journal_path"]:
+            try:
+                self._start_journal(vals)
+            except Exception as exc:
+                self.get_logger().error(f"configure failed: journal_path: {outcome(exc)[1]}")
+                self._free()
+                return TransitionCallbackReturn.FAILURE
         e = self.engine
         self.get_logger().info(
             f"configured: {'embedded default' if not vals['model_path'] else vals['model_path']} on {e.device} "
@@ -151,20 +165,31 @@ class FlashRTNode(LifecycleNode):
         opts = dict(device=device, dtype=getattr(torch, vals["dtype"]), max_seq_len=vals["max_seq_len"],
                     cuda_graphs=vals["cuda_graphs"], capsule_dir=vals["capsule_dir"] or None,
                     budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
-        dims = (vals["policy.obs_dim"], vals["policy.action_dim"])
-        if vals["model_path"]:
-            engine = Engine.from_pretrained(vals["model_path"], seed=vals["seed"], policy_dims=dims, **opts)
-        else:
-            engine = Engine.from_config(ModelConfig.tiny(obs_dim=dims[0], action_dim=dims[1]), seed=vals["seed"],
-                                        **opts)
+        engine = Engine.load(vals["model_path"], seed=vals["seed"],
+                             policy_dims=(vals["policy.obs_dim"], vals["policy.action_dim"]), **opts)
         return engine, load_tokenizer(vals["model_path"])
 
+    def _start_journal(self, vals: dict[str, Any]) -> None:
+        folder = Path(vals["journal_path"])
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"session-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._configures}"
+        journal = J.Journal(session=session_of(self.engine, vals["model_path"], vals["seed"]))
+        self._bag = BagWriter(path, journal.session)
+        journal.listeners.append(self._bag)
+        self.journal = journal
+        self.get_logger().info(f"journal: recording into {path}")
+
     def _free(self) -> None:
+        if self._bag is not None:
+            self._bag.close()
+            self._bag = None
+            self.journal = None
         engine = self.engine
         if engine is None:
             return
         with engine.lock:  # in-flight operations finish first
             self.engine = None
+        engine.close()
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -369,7 +394,7 @@ class FlashRTNode(LifecycleNode):
             obs = build_observation(self._joint_names, msg, self._latest_pose)
             with engine.lock:
                 action = engine.step(obs)
-                self.note_state_change(J.STEP, {"observation": obs.tolist()}, {"action": action.tolist()})
+                self.note_state_change(J.STEP, {"observation": obs.tolist()}, {"action": J.action_bytes(action)})
         except InvalidArgument as exc:
             self._reject(str(exc))
             return

@@ -70,6 +70,8 @@ PARAMS = (
           "joints read from ~/joint_states by name, in this order (obs_dim = 2 x their count + 9)"),
     Param("status_rate", 1.0, "Hz of ~/status and /diagnostics (also sent on every change); 0 = on change only",
           read_only=False, lo=0.0, hi=100.0),
+    Param("journal_path", "", "folder for journal bags: each configure records its committed operations "
+          "into a new MCAP bag there (replay with flashrt-replay); empty = off"),
     Param("autostart", False, "configure and activate at start"),
 )
 BY_NAME = {p.name: p for p in PARAMS}

@@ -131,11 +131,24 @@ class Engine:
         cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
         return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
 
+    @classmethod
+    def load(cls, model_path: str | Path | None = None, *, seed: int = 0,
+             policy_dims: tuple[int, int] | None = None, **kwargs: Any) -> "Engine":
+        """The checkpoint at ``model_path``, or the embedded default (``ModelConfig.tiny()``) when empty."""
+        if model_path:
+            return cls.from_pretrained(model_path, seed=seed, policy_dims=policy_dims, **kwargs)
+        obs, act = policy_dims or (0, 0)
+        return cls.from_config(ModelConfig.tiny(obs_dim=obs, action_dim=act), seed=seed, **kwargs)
+
     # ---- state ---------------------------------------------------------------------------------
     @property
     def position(self) -> int:
         """Committed positions (tokens and observation steps) in the state."""
         return self._position
+
+    @property
+    def rollback_depth(self) -> int:
+        return self._ring.depth
 
     @property
     def region_table(self) -> tuple[dict, ...]:
@@ -150,6 +163,11 @@ class Engine:
         """blake2b over every region's live bytes (per-token regions only up to position)."""
         with self._lock:
             return self.arena.digest(self._position)
+
+    def close(self) -> None:
+        """Release the capsule store's memory and its digest thread (disk capsules stay on
+        disk). The engine must not be used afterwards; do not call it holding ``lock``."""
+        self.capsules.close()
 
     def reset(self) -> None:
         """Back to the empty state (position 0), as after construction. Capsules stay."""

@@ -16,7 +16,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from .errors import FlashRTError
+import torch
+
+from ..errors import FlashRTError
 
 # Kinds of entries, and the engine call each one replays as.
 PREFILL, DECODE, STEP = "prefill", "decode", "step"
@@ -32,10 +34,20 @@ class Entry:
     outcome: dict[str, Any]   # success, error_code, position, and the kind's outputs
 
 
+def action_bytes(action: Any) -> str:
+    """An action vector as the hex of its float32 bytes: compared byte for byte on replay."""
+    return action.detach().cpu().to(dtype=torch.float32).numpy().astype("<f4").tobytes().hex()
+
+
 @dataclass
 class Journal:
-    """Thread-safe, append-only; ``listeners`` see each entry as it is recorded."""
+    """Thread-safe, append-only; ``listeners`` see each entry as it is recorded.
 
+    ``session`` describes the engine the entries ran on (see ``session_of``), so
+    that a replay can build the same one.
+    """
+
+    session: dict[str, Any] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
     listeners: list[Callable[[Entry], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -55,7 +67,7 @@ class ReplayMismatch(AssertionError):
     """A replayed output differs from the recorded one; the message names the entry."""
 
     def __init__(self, entry: Entry, what: str, recorded: Any, replayed: Any) -> None:
-        super().__init__(f"entry {entry.seq} ({entry.kind}): {what} was {_short(recorded)} when recorded, "
+        super().__init__(f"message seq={entry.seq} ({entry.kind}): {what} was {_short(recorded)} when recorded, "
                          f"{_short(replayed)} on replay")
         self.entry, self.what = entry, what
 
@@ -108,7 +120,7 @@ def _apply(entry: Entry, engine: Any, ids: dict[str, str]) -> dict[str, Any]:
     if entry.kind == DECODE:
         return {"token": engine.generate(1)[0]}
     if entry.kind == STEP:
-        return {"action": engine.step(req["observation"]).tolist()}
+        return {"action": action_bytes(engine.step(req["observation"]))}
     if entry.kind == SNAPSHOT:
         info = engine.snapshot(name=req.get("name") or None, tier=req["tier"], pin=bool(req.get("pin")))
         return {"capsule_id": info.id}

@@ -1,0 +1,1 @@
+"""py_trees behaviours for the flashrt node: capsule services and generate, plus example trees."""

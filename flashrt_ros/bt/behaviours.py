@@ -1,0 +1,297 @@
+"""py_trees behaviours that call the flashrt node's capsule services and generate action.
+
+Every behaviour is non-blocking: the first tick sends the request and returns
+RUNNING; later ticks look at the future. It returns FAILURE when the answer
+says ``success=false`` (the error code, its name and the message go to the
+blackboard under ``error_key`` and to the log), when no answer arrives within
+``timeout_s``, or when the server is not there. An answer that arrives after a
+timeout or a halt belongs to an abandoned attempt and is ignored.
+
+Snapshot sends a ``request_id``. It is kept when the attempt is halted or times
+out, so the retry asks for the same snapshot and the node answers with the same
+capsule; it is cleared once an answer has been read. Restore and Drop are
+idempotent by nature; Fork and Rollback(steps) are not (a halt after the node
+applied them and a retry apply them twice): retry those only from a state
+you restore first.
+
+The node passed in must be spun by an executor in another thread (the tree is
+ticked from this one).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import py_trees
+from py_trees.common import Access, Status
+from rclpy.action import ActionClient
+
+from ..action import Generate as GenerateAction
+from ..errors import ErrorCode
+from ..srv import DropCapsule as DropSrv
+from ..srv import Fork as ForkSrv
+from ..srv import Restore as RestoreSrv
+from ..srv import Rollback as RollbackSrv
+from ..srv import Snapshot as SnapshotSrv
+
+TIMEOUT = -1          # error_code written for a call that got no answer in time
+NO_SERVER = -2        # error_code written when the service or action server is absent
+
+
+class _Call(py_trees.behaviour.Behaviour):
+    """Shared machinery: send on initialise, poll on update, abandon on halt."""
+
+    def __init__(self, name: str, node: Any, server: str, timeout_s: float, error_key: str) -> None:
+        super().__init__(name)
+        self.node, self.server, self.timeout_s, self.error_key = node, server.rstrip("/"), timeout_s, error_key
+        self.bb = self.attach_blackboard_client(name=name)
+        self.bb.register_key(error_key, access=Access.WRITE)
+        self._future = None
+        self._deadline = 0.0
+        self.late_answers = 0
+
+    def _key(self, key: str, access: Access) -> None:
+        self.bb.register_key(key, access=access)
+
+    def _send(self, future) -> None:
+        self._future = future
+        self._deadline = time.monotonic() + self.timeout_s
+        future.add_done_callback(self._maybe_late)
+
+    def _maybe_late(self, future) -> None:
+        if future is not self._future:
+            self.late_answers += 1
+            self.logger.debug(f"{self.name}: ignored an answer to an abandoned attempt")
+
+    def _fail(self, code: int, message: str) -> Status:
+        name = {TIMEOUT: "TIMEOUT", NO_SERVER: "NO_SERVER"}.get(code) or ErrorCode(code).name
+        self.bb.set(self.error_key, {"behaviour": self.name, "code": code, "name": name, "message": message})
+        self.feedback_message = f"{name}: {message}"
+        self.logger.warning(f"{self.name} failed: {name}: {message}")
+        return Status.FAILURE
+
+    def _poll(self):
+        """The finished future's result, None while RUNNING, or a Status to return at once."""
+        if self._future is None:
+            return Status.FAILURE
+        if not self._future.done():
+            if time.monotonic() > self._deadline:
+                self._future = None
+                return self._timed_out()
+            return None
+        result = self._future.result()
+        self._future = None
+        return result
+
+    def _timed_out(self) -> Status:
+        return self._fail(TIMEOUT, f"no answer within {self.timeout_s:g} s")
+
+    def terminate(self, new_status: Status) -> None:
+        if new_status == Status.INVALID and self._future is not None:
+            self._future = None  # halted mid-call: whatever answer comes is ignored
+            self.logger.debug(f"{self.name}: halted with a call in flight")
+
+
+class _ServiceCall(_Call):
+    srv_type: Any = None
+    service = ""
+
+    def __init__(self, name: str, node: Any, server: str = "/flashrt", timeout_s: float = 2.0,
+                 error_key: str = "flashrt_error") -> None:
+        super().__init__(name, node, server, timeout_s, error_key)
+        self.client = node.create_client(self.srv_type, f"{self.server}/{self.service}")
+
+    def request(self) -> Any:
+        raise NotImplementedError
+
+    def on_success(self, response: Any) -> None:
+        """Write the response's outputs to the blackboard."""
+
+    def initialise(self) -> None:
+        self._future = None
+        if not self.client.service_is_ready():
+            return
+        self._send(self.client.call_async(self.request()))
+
+    def update(self) -> Status:
+        if self._future is None and not self.client.service_is_ready():
+            return self._fail(NO_SERVER, f"service {self.client.srv_name} is not available")
+        response = self._poll()
+        if response is None:
+            return Status.RUNNING
+        if isinstance(response, Status):
+            return response
+        self.answered(response)
+        if not response.success:
+            return self._fail(response.error_code, response.message)
+        self.on_success(response)
+        self.feedback_message = f"ok ({response.latency_ms:.2f} ms)"
+        return Status.SUCCESS
+
+    def answered(self, response: Any) -> None:
+        """Any answer, success or not, ends the attempt."""
+
+
+class Snapshot(_ServiceCall):
+    """Snapshot the live state; the capsule id goes to ``capsule_key`` (its position to ``position_key``)."""
+
+    srv_type, service = SnapshotSrv, "snapshot"
+
+    def __init__(self, name: str, node: Any, capsule_key: str, capsule_name: str = "", tier: str = "",
+                 pin: bool = False, position_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(name, node, **kwargs)
+        self.capsule_key, self.capsule_name, self.tier, self.pin = capsule_key, capsule_name, tier, pin
+        self.position_key = position_key
+        self._key(capsule_key, Access.WRITE)
+        if position_key:
+            self._key(position_key, Access.WRITE)
+        self.request_id = ""
+
+    def request(self) -> Any:
+        if not self.request_id:
+            self.request_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        return self.srv_type.Request(name=self.capsule_name, tier=self.tier, pin=self.pin,
+                                     request_id=self.request_id)
+
+    def answered(self, response: Any) -> None:
+        self.request_id = ""
+
+    def on_success(self, response: Any) -> None:
+        self.bb.set(self.capsule_key, response.capsule_id)
+        if self.position_key:
+            self.bb.set(self.position_key, response.position)
+
+
+class Restore(_ServiceCall):
+    """Make the capsule named by ``capsule_key`` the live state."""
+
+    srv_type, service = RestoreSrv, "restore"
+
+    def __init__(self, name: str, node: Any, capsule_key: str, verify: bool = False, **kwargs: Any) -> None:
+        super().__init__(name, node, **kwargs)
+        self.capsule_key, self.verify = capsule_key, verify
+        self._key(capsule_key, Access.READ)
+
+    def request(self) -> Any:
+        return self.srv_type.Request(capsule_id=self.bb.get(self.capsule_key), verify=self.verify)
+
+
+class Fork(_ServiceCall):
+    """Fork ``source_key``'s capsule (or the live state when None) into ``capsule_key``."""
+
+    srv_type, service = ForkSrv, "fork"
+
+    def __init__(self, name: str, node: Any, capsule_key: str, source_key: str | None = None,
+                 capsule_name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, node, **kwargs)
+        self.capsule_key, self.source_key, self.capsule_name = capsule_key, source_key, capsule_name
+        self._key(capsule_key, Access.WRITE)
+        if source_key:
+            self._key(source_key, Access.READ)
+
+    def request(self) -> Any:
+        source = self.bb.get(self.source_key) if self.source_key else ""
+        return self.srv_type.Request(source_id=source, name=self.capsule_name)
+
+    def on_success(self, response: Any) -> None:
+        self.bb.set(self.capsule_key, response.capsule_id)
+
+
+class Rollback(_ServiceCall):
+    """Go back ``steps`` boundaries, or to the position in ``to_position_key``."""
+
+    srv_type, service = RollbackSrv, "rollback"
+
+    def __init__(self, name: str, node: Any, steps: int = 1, to_position_key: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(name, node, **kwargs)
+        self.steps, self.to_position_key = steps, to_position_key
+        if to_position_key:
+            self._key(to_position_key, Access.READ)
+
+    def request(self) -> Any:
+        to = int(self.bb.get(self.to_position_key)) if self.to_position_key else -1
+        return self.srv_type.Request(steps=self.steps, to_position=to)
+
+
+class Drop(_ServiceCall):
+    """Drop the capsule named by ``capsule_key``."""
+
+    srv_type, service = DropSrv, "drop_capsule"
+
+    def __init__(self, name: str, node: Any, capsule_key: str, **kwargs: Any) -> None:
+        super().__init__(name, node, **kwargs)
+        self.capsule_key = capsule_key
+        self._key(capsule_key, Access.READ)
+
+    def request(self) -> Any:
+        return self.srv_type.Request(capsule_id=self.bb.get(self.capsule_key))
+
+
+class Generate(_Call):
+    """Run the generate action; the result's tokens and text go to ``result_key``.
+
+    A halt or a timeout cancels the goal on the node (it stops at the next
+    committed boundary).
+    """
+
+    def __init__(self, name: str, node: Any, result_key: str, prompt: str = "", max_new_tokens: int = 16,
+                 server: str = "/flashrt", timeout_s: float = 30.0, error_key: str = "flashrt_error") -> None:
+        super().__init__(name, node, server, timeout_s, error_key)
+        self.action = GenerateAction
+        self.client = ActionClient(node, GenerateAction, f"{self.server}/generate")
+        self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
+        self._key(result_key, Access.WRITE)
+        self._goal = None
+
+    def initialise(self) -> None:
+        self._future, self._goal = None, None
+        if not self.client.server_is_ready():
+            return
+        goal = self.action.Goal(prompt=self.prompt, max_new_tokens=self.max_new_tokens)
+        self._send(self.client.send_goal_async(goal))
+
+    def update(self) -> Status:
+        if self._future is None and self._goal is None and not self.client.server_is_ready():
+            return self._fail(NO_SERVER, "generate action server is not available")
+        answer = self._poll()
+        if answer is None:
+            return Status.RUNNING
+        if isinstance(answer, Status):
+            return answer
+        if self._goal is None:  # the goal handle arrived: now wait for the result
+            if not answer.accepted:
+                return self._fail(ErrorCode.BUSY, "goal rejected")
+            self._goal = answer
+            remaining = self._deadline - time.monotonic()
+            self._send(answer.get_result_async())
+            self._deadline = time.monotonic() + max(remaining, 0.0)
+            return Status.RUNNING
+        self._goal = None
+        result = answer.result
+        if not result.success:
+            return self._fail(result.error_code, result.message)
+        self.bb.set(self.result_key, {"tokens": list(result.tokens), "text": result.text,
+                                      "ttft_ms": result.ttft_ms, "position": result.position})
+        return Status.SUCCESS
+
+    def _timed_out(self) -> Status:
+        self._cancel()
+        return super()._timed_out()
+
+    def _maybe_late(self, future) -> None:
+        super()._maybe_late(future)
+        handle = future.result() if future is not self._future and not future.cancelled() else None
+        if getattr(handle, "accepted", False) and hasattr(handle, "cancel_goal_async"):
+            handle.cancel_goal_async()  # a goal accepted after its behaviour was halted must not run on
+
+    def terminate(self, new_status: Status) -> None:
+        if new_status == Status.INVALID:
+            self._cancel()
+        super().terminate(new_status)
+
+    def _cancel(self) -> None:
+        if self._goal is not None:
+            self._goal.cancel_goal_async()
+            self._goal = None

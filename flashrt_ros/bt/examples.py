@@ -1,0 +1,118 @@
+"""Example trees, each runnable against a live node with one command:
+
+    python -m flashrt_ros.bt.examples attempt-with-rollback [--server /flashrt]
+    python -m flashrt_ros.bt.examples explore-and-commit [--branches 3]
+
+attempt-with-rollback: plan (generate), snapshot before the risky grasp, try
+it; on failure roll back to the snapshot's position and retry (the first
+attempt fails on purpose), then drop the snapshot. (Rollback replays from the
+nearest kept boundary; Restore of the snapshot would do the same in one copy.)
+
+explore-and-commit: fork N branches of the live state, run each for a few
+tokens and snapshot its end, keep the best end as the live state, drop the
+rest.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+import py_trees
+from py_trees.common import Status
+from py_trees.composites import Selector, Sequence as Seq
+from py_trees.decorators import Retry, SuccessIsFailure
+
+from .behaviours import Drop, Fork, Generate, Restore, Rollback, Snapshot
+from .skills import PickBest, PolicySteps
+
+JOINTS = tuple(f"joint{i}" for i in range(1, 8))
+
+
+def attempt_with_rollback(node: Any, server: str = "/flashrt", joints: Sequence[str] = JOINTS,
+                          fail_attempts: int = 1, steps: int = 6) -> py_trees.behaviour.Behaviour:
+    grasp = PolicySteps("grasp", node, joints, steps=steps, server=server, fail_attempts=fail_attempts)
+    roll_back = SuccessIsFailure("then retry", Rollback("roll back", node, to_position_key="checkpoint_position",
+                                                        server=server))
+    return Seq("attempt with rollback", memory=True, children=[
+        Generate("plan", node, "plan", prompt="plan: pick the red cube, place it on the tray.",
+                 max_new_tokens=8, server=server),
+        Snapshot("checkpoint", node, "checkpoint", capsule_name="before-grasp", pin=True,
+                 position_key="checkpoint_position", server=server),
+        Retry("retry grasp", Selector("grasp or roll back", memory=True, children=[grasp, roll_back]),
+              num_failures=fail_attempts + 2),
+        Drop("release checkpoint", node, "checkpoint", server=server),
+    ])
+
+
+def explore_and_commit(node: Any, server: str = "/flashrt", branches: int = 3,
+                       tokens: int = 6) -> py_trees.behaviour.Behaviour:
+    forks = [Fork(f"fork {i}", node, f"branch{i}", server=server) for i in range(branches)]
+    explore = [Seq(f"explore {i}", memory=True, children=[
+        Restore(f"enter {i}", node, f"branch{i}", server=server),
+        Generate(f"try {i}", node, f"result{i}", prompt=f" option {i}:", max_new_tokens=tokens, server=server),
+        Snapshot(f"end {i}", node, f"end{i}", server=server),
+    ]) for i in range(branches)]
+    losers = [f"loser{j}" for j in range(branches - 1)]
+    return Seq("explore and commit", memory=True, children=[
+        Generate("context", node, "context", prompt="task: sort the parts by colour.", max_new_tokens=4,
+                 server=server),
+        *forks, *explore,
+        PickBest("pick best", [f"result{i}" for i in range(branches)], [f"end{i}" for i in range(branches)],
+                 "best", losers),
+        Restore("commit best", node, "best", server=server),
+        *[Drop(f"drop fork {i}", node, f"branch{i}", server=server) for i in range(branches)],
+        *[Drop(f"drop {key}", node, key, server=server) for key in losers],
+    ])
+
+
+TREES = {"attempt-with-rollback": attempt_with_rollback, "explore-and-commit": explore_and_commit}
+
+
+def run_tree(root: py_trees.behaviour.Behaviour, period_s: float = 0.01, timeout_s: float = 120.0,
+             setup_timeout_s: float = 30.0) -> Status:
+    """Tick until the root finishes (or ``timeout_s``); returns its status."""
+    tree = py_trees.trees.BehaviourTree(root)
+    tree.setup(timeout=setup_timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tree.tick()
+        if root.status in (Status.SUCCESS, Status.FAILURE):
+            return root.status
+        time.sleep(period_s)
+    root.stop(Status.INVALID)
+    return Status.INVALID
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tree", choices=sorted(TREES))
+    parser.add_argument("--server", default="/flashrt", help="the node's fully qualified name")
+    parser.add_argument("--branches", type=int, default=3, help="explore-and-commit: branches")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    args, ros_args = parser.parse_known_args(argv)
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    rclpy.init(args=ros_args)
+    node = rclpy.create_node("flashrt_bt_example")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    threading.Thread(target=executor.spin, daemon=True).start()
+    try:
+        extra = {"branches": args.branches} if args.tree == "explore-and-commit" else {}
+        root = TREES[args.tree](node, server=args.server, **extra)
+        status = run_tree(root, timeout_s=args.timeout)
+        print(py_trees.display.unicode_tree(root, show_status=True))
+        print(f"{args.tree}: {status.value}")
+        return 0 if status == Status.SUCCESS else 1
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

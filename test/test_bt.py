@@ -1,0 +1,152 @@
+"""The py_trees behaviours and example trees against a live node, and their failure branches."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("rclpy")
+py_trees = pytest.importorskip("py_trees")
+
+from py_trees.common import Status  # noqa: E402
+
+from flashrt_ros.errors import ErrorCode  # noqa: E402
+from ros_harness import Harness  # noqa: E402
+
+
+@pytest.fixture
+def live(ros_context):
+    py_trees.blackboard.Blackboard.clear()
+    h = Harness(ros_context)
+    yield h
+    h.close()
+
+
+def _tick_until_done(root, timeout: float = 30.0) -> Status:
+    from flashrt_ros.bt.examples import run_tree
+
+    return run_tree(root, period_s=0.005, timeout_s=timeout)
+
+
+def _blackboard(key: str):
+    return py_trees.blackboard.Blackboard.get(key)
+
+
+def test_attempt_with_rollback_succeeds_after_rolling_back(live):
+    from flashrt_ros.bt.examples import attempt_with_rollback
+
+    root = attempt_with_rollback(live.client)
+    assert _tick_until_done(root) == Status.SUCCESS
+    grasp = next(b for b in root.iterate() if b.name == "grasp")
+    assert grasp.attempts == 2                         # failed once, rolled back, succeeded
+    assert live.node.engine.capsules.list() == []      # the checkpoint was released
+    assert live.node._counters["policy_steps"] == 12
+
+
+def test_explore_and_commit_keeps_the_best_branch_and_drops_the_rest(live):
+    from flashrt_ros.bt.examples import explore_and_commit
+
+    root = explore_and_commit(live.client, branches=3)
+    assert _tick_until_done(root) == Status.SUCCESS
+    kept = live.node.engine.capsules.list()
+    assert [c.id for c in kept] == [_blackboard("best")]
+    assert live.node.engine.state_digest() == live.node.engine.capsules.get(kept[0].id).digest
+
+
+def test_an_error_answer_fails_the_behaviour_and_reaches_the_blackboard(live):
+    from flashrt_ros.bt.behaviours import Restore
+
+    py_trees.blackboard.Blackboard.set("target", "no-such-capsule")
+    behaviour = Restore("restore missing", live.client, "target")
+    assert _tick_until_done(behaviour) == Status.FAILURE
+    error = _blackboard("flashrt_error")
+    assert error["code"] == ErrorCode.UNKNOWN_CAPSULE and error["name"] == "UNKNOWN_CAPSULE" and error["message"]
+
+
+class _SlowSnapshotServer:
+    """A /slow/snapshot service that answers after ``delay`` seconds, recording request ids."""
+
+    def __init__(self, node, delay: float) -> None:
+        from rclpy.callback_groups import ReentrantCallbackGroup
+
+        from flashrt_ros.srv import Snapshot
+
+        self.request_ids: list[str] = []
+        self.delay = delay
+
+        def answer(request, response):
+            self.request_ids.append(request.request_id)
+            time.sleep(self.delay)
+            response.success, response.capsule_id = True, f"capsule-for-{request.request_id}"
+            return response
+
+        node.create_service(Snapshot, "/slow/snapshot", answer, callback_group=ReentrantCallbackGroup())
+
+
+def test_timeout_fails_and_the_late_answer_is_ignored(live):
+    from flashrt_ros.bt.behaviours import TIMEOUT, Snapshot
+
+    server = _SlowSnapshotServer(live.client, delay=0.5)
+    behaviour = Snapshot("slow snapshot", live.client, "slow_capsule", server="/slow", timeout_s=0.1)
+    assert behaviour.client.wait_for_service(timeout_sec=10)
+    assert _tick_until_done(behaviour) == Status.FAILURE
+    assert _blackboard("flashrt_error")["code"] == TIMEOUT
+    deadline = time.monotonic() + 5
+    while behaviour.late_answers == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert behaviour.late_answers == 1
+    with pytest.raises(KeyError):
+        _blackboard("slow_capsule")                  # the late answer wrote nothing
+    # The retry reuses the request id: the node would answer with the same capsule.
+    server.delay = 0.0
+    assert _tick_until_done(behaviour) == Status.SUCCESS
+    assert server.request_ids[0] == server.request_ids[1]
+    assert _blackboard("slow_capsule") == f"capsule-for-{server.request_ids[0]}"
+
+
+def test_absent_server_fails_with_no_server(live):
+    from flashrt_ros.bt.behaviours import NO_SERVER, Drop
+
+    py_trees.blackboard.Blackboard.set("x", "whatever")
+    behaviour = Drop("drop on nobody", live.client, "x", server="/nobody")
+    assert _tick_until_done(behaviour) == Status.FAILURE
+    assert _blackboard("flashrt_error")["code"] == NO_SERVER
+
+
+def test_halt_mid_call_then_retry_gets_the_same_capsule_from_the_node(live):
+    from flashrt_ros.bt.behaviours import Snapshot
+
+    from ros_harness import wait_future
+
+    _, result = live.generate(prompt="context", max_new_tokens=2)
+    assert wait_future(result).result.success
+    behaviour = Snapshot("snap", live.client, "snap_capsule")
+    tree = py_trees.trees.BehaviourTree(behaviour)
+    tree.setup(timeout=10)
+    tree.tick()
+    assert behaviour.status == Status.RUNNING
+    first_id = behaviour.request_id
+    behaviour.stop(Status.INVALID)                  # halted: the call is in flight or answered unseen
+    time.sleep(0.3)                                 # the node has answered by now; the answer is dropped
+    assert _tick_until_done(behaviour) == Status.SUCCESS
+    capsules = live.node.engine.capsules.list()
+    assert len(capsules) == 1 and _blackboard("snap_capsule") == capsules[0].id
+    assert first_id and behaviour.request_id == ""  # cleared once answered
+
+
+def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
+    from flashrt_ros.bt.behaviours import Generate
+
+    behaviour = Generate("long", live.client, "long_result", prompt="x", max_new_tokens=400)
+    tree = py_trees.trees.BehaviourTree(behaviour)
+    tree.setup(timeout=10)
+    deadline = time.monotonic() + 10
+    while live.node.engine.position < 5 and time.monotonic() < deadline:
+        tree.tick()
+        time.sleep(0.01)
+    behaviour.stop(Status.INVALID)
+    time.sleep(0.5)
+    position = live.node.engine.position
+    time.sleep(0.3)
+    assert live.node.engine.position == position < 400  # the node stopped generating
+    assert not live.node._generation.locked()
