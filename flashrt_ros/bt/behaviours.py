@@ -97,7 +97,7 @@ class _ServiceCall(_Call):
     srv_type: Any = None
     service = ""
 
-    def __init__(self, name: str, node: Any, server: str = "/flashrt", timeout_s: float = 2.0,
+    def __init__(self, name: str, node: Any, server: str = "/flashrt", timeout_s: float = 5.0,
                  error_key: str = "flashrt_error") -> None:
         super().__init__(name, node, server, timeout_s, error_key)
         self.client = node.create_client(self.srv_type, f"{self.server}/{self.service}")

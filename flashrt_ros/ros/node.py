@@ -445,7 +445,12 @@ class FlashRTNode(LifecycleNode):
         self._diagnostics.publish(diagnostics_msg(self.get_name(), status, self._latencies, self._counters, now))
 
     def destroy_node(self) -> None:
+        # Also reached from a constructor that failed (Kilted's Node.__init__ destroys
+        # itself on a refused parameter), before our own attributes exist.
         self._active = False
-        self._generate_server.destroy()
-        self._free()
+        server = getattr(self, "_generate_server", None)
+        if server is not None:
+            server.destroy()
+        if hasattr(self, "_bag"):
+            self._free()
         super().destroy_node()
