@@ -150,3 +150,22 @@ def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
     time.sleep(0.3)
     assert live.node.engine.position == position < 400  # the node stopped generating
     assert not live.node._generation.locked()
+
+
+def test_behaviortree_cpp_xml_mirrors_the_python_tree_and_names_real_services():
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    from ros_harness import SERVICES
+
+    root = ET.parse(Path(__file__).resolve().parents[1] / "docs" / "attempt_with_rollback.xml").getroot()
+    assert root.get("BTCPP_format") == "4"
+    names = [e.get("name") for e in root.iter() if e.get("name")]
+    assert names == ["attempt with rollback", "plan", "checkpoint", "grasp or roll back", "grasp", "then retry",
+                     "roll back", "release checkpoint"]
+    services = {e.get("service_name") for e in root.iter() if e.get("service_name")}
+    assert services <= {f"/flashrt/{s}" for s in SERVICES}
+    assert {e.get("action_name") for e in root.iter() if e.get("action_name")} == {"/flashrt/generate"}
+    for e in root.iter():
+        if e.tag.startswith("Flashrt"):
+            assert e.get("error_code") == "{error_code}" and e.get("error_message") == "{error_message}"
