@@ -3,7 +3,7 @@
 #   make setup   .venv + pinned requirements + ROS 2 + colcon build (idempotent)
 #   make test    pytest over test/ against the colcon-installed package
 #                (TESTS=test/test_x.py PYTEST_ARGS='-k foo -x' to narrow it)
-#   make demo    python -m flashrt_ros.demo  (installed package)
+#   make demo    python -m flashrt_ros.demo: the robot scenario over ROS 2 (installed package)
 #   make bench   python -m flashrt_ros.bench (installed package)
 #   make clean   remove build/ install/ log/; `make distclean` also .venv
 #   make freeze  rewrite requirements/constraints*.txt from .venv
@@ -58,7 +58,7 @@ REQ_HASH := $(shell cat $(REQ)/*.txt | sha256sum | cut -c1-16)
 VENV_STAMP := $(VENV)/.flashrt-setup-$(SETUP_KEY)-$(REQ_HASH)
 BUILD_STAMP := install/.flashrt-built
 BUILD_INPUTS := package.xml CMakeLists.txt $(shell find msg srv action cmake \
-  flashrt_ros launch config scripts -name __pycache__ -prune -o -print 2>/dev/null)
+  flashrt_ros launch config data scripts -name __pycache__ -prune -o -print 2>/dev/null)
 
 # Environment of every command that uses the installed package.
 define ACTIVATE

@@ -1,7 +1,8 @@
 """Record the committed example bag: python test/make_example_bag.py (under `make test`'s environment).
 
 Runs the "attempt with rollback" tree against a node that journals into a
-temporary folder, then moves the bag to test/data/attempt_with_rollback_bag.
+temporary folder, then moves the bag to data/bags/attempt_with_rollback (installed
+to share/flashrt_ros/data: make demo replays its policy steps).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def record(folder: Path, trees=("attempt-with-rollback",)) -> Path:
 
 
 if __name__ == "__main__":
-    target = HERE / "data" / "attempt_with_rollback_bag"
+    target = HERE.parent / "data" / "bags" / "attempt_with_rollback"
     with tempfile.TemporaryDirectory() as tmp:
         bag = record(Path(tmp))
         shutil.rmtree(target, ignore_errors=True)

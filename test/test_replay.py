@@ -14,7 +14,7 @@ from flashrt_ros.replay.bag import read_bag, write_bag  # noqa: E402
 from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITTED = ROOT / "test" / "data" / "attempt_with_rollback_bag"
+COMMITTED = ROOT / "data" / "bags" / "attempt_with_rollback"
 REPLAY = ROOT / "install" / "flashrt_ros" / "lib" / "flashrt_ros" / "flashrt-replay"
 
 

@@ -1,0 +1,1 @@
+"""make demo: the robot scenario, driven over DDS against flashrt_node in its own process."""
