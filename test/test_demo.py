@@ -1,0 +1,28 @@
+"""make demo's scenario end to end: the node as its own process, driven over DDS."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rclpy")
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not (ROOT / "install" / "flashrt_ros").is_dir(), reason="needs the colcon install space")
+def test_demo_runs_every_step_and_writes_its_pictures(tmp_path):
+    env = dict(os.environ)
+    env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)  # the demo sets LOCALHOST for both of its processes
+    run = subprocess.run([sys.executable, "-m", "flashrt_ros.demo", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "demo OK" in run.stdout and "FAILED" not in run.stdout
+    assert "faster" in run.stdout
+    for picture in ("timeline.png", "ttft.png"):
+        data = (tmp_path / picture).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
