@@ -1,14 +1,84 @@
-"""``python -m flashrt_ros.bench``: run every benchmark module in turn."""
-from . import capsules, runtime
+"""``make bench`` = ``python -m flashrt_ros.bench [--out bench]``: every benchmark, one run.
 
-if __name__ == "__main__":
-    runtime.run()
-    capsules.run()
+Runs the runtime, capsule, prompt-reuse and ROS service benchmarks in turn,
+prints every target of the earlier issues as PASS or MISS, and writes
+``<out>/results.json`` and one PNG per section. Each figure is a ratio
+measured within this run; absolute times are labelled with the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import capsules, charts, reuse, runtime
+from .common import machine
+
+
+def _ros_services(calls: int):
     try:
         import rclpy  # noqa: F401
-
-        from . import ros_services
     except ImportError as exc:  # the ROS-free install (pip install -e .) has no rclpy
         print(f"== ROS service overhead: skipped ({exc})")
-    else:
-        ros_services.run()
+        return None
+    from . import ros_services
+
+    return ros_services.run(calls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashrt_ros.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench", help="folder for results.json and the PNGs")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and shorter prefixes (a smoke run)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prefixes = (512, 1024) if args.quick else (2048, 4096, 8192, 16384)
+    rounds = 1 if args.quick else 5
+    sections = [
+        ("runtime", lambda: runtime.run(args.device, rounds=max(2, rounds - 2))),
+        ("capsules", lambda: capsules.run(args.device, rounds, prefixes)),
+        ("reuse", lambda: reuse.run(prefixes, 1 if args.quick else 2, args.device)),
+        ("ros_services", lambda: _ros_services(50 if args.quick else 400)),
+    ]
+    results: dict = {"machine": machine(), "device": args.device, "started": time.time(), "seconds": {}}
+    progress = tqdm(sections, desc="make bench", unit="section", position=0)
+    for name, fn in progress:
+        progress.set_description(f"make bench: {name}")
+        start = time.monotonic()
+        print(f"\n== {name}")
+        results[name] = fn()
+        results["seconds"][name] = time.monotonic() - start
+    progress.close()
+
+    where = results["machine"] + ("" if args.device == "cpu" else f" ({args.device})")
+    pictures = [charts.runtime(results["runtime"], out / "runtime.png", where),
+                charts.copies(results["capsules"]["copies"], out / "copies.png", where),
+                charts.ttft(results["capsules"]["ttft"], results["reuse"]["transformers_ttft"], out / "ttft.png",
+                            where),
+                charts.fork_memory(results["reuse"]["fork_memory"], out / "fork_memory.png", where)]
+    if results["ros_services"]:
+        pictures.append(charts.services(results["ros_services"], out / "services.png", where))
+    checks = [c for key in ("runtime", "capsules", "ros_services") if results.get(key)
+              for c in results[key]["checks"]]
+    results["checks"] = checks
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+
+    print(f"\n== summary ({where})")
+    for c in checks:
+        print(f"  {'PASS' if c['pass'] else 'MISS'}  {c['name']}: {c['value']:.3g} (target {c['target']})")
+    print(f"  {sum(c['pass'] for c in checks)} of {len(checks)} targets met; "
+          f"{sum(results['seconds'].values()) / 60:.1f} minutes")
+    for p in [out / "results.json", *pictures]:
+        print(f"  wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -188,7 +188,7 @@ def run(calls: int = 400) -> dict:
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     os.environ.setdefault("FASTDDS_BUILTIN_TRANSPORTS", "UDPv4")
     print(f"== ROS service overhead (round trip - engine time), {calls} calls each; {machine()}")
-    results = {"machine": machine(), "calls": calls, "modes": {}, "verdicts": []}
+    results = {"machine": machine(), "calls": calls, "modes": {}, "checks": []}
     for mode, fn in (("cross_process", cross_process), ("same_process", same_process)):
         stats = fn(calls)
         results["modes"][mode] = stats
@@ -206,9 +206,9 @@ def run(calls: int = 400) -> dict:
         ratio = s["overhead_p50"] / cross["bare_trigger"]["round_trip_p50"]
         s["overhead_over_bare_p50"] = ratio
         print(f"  {kind}: overhead p50 / bare rclpy round trip p50 = {ratio:.2f}")
-        results["verdicts"].append(verdict(f"{kind} service overhead p50 ms (cross-process)", s["overhead_p50"],
+        results["checks"].append(verdict(f"{kind} service overhead p50 ms (cross-process)", s["overhead_p50"],
                                            TARGET_P50_MS, higher_is_better=False))
-        results["verdicts"].append(verdict(f"{kind} service overhead p99 ms (cross-process)", s["overhead_p99"],
+        results["checks"].append(verdict(f"{kind} service overhead p99 ms (cross-process)", s["overhead_p99"],
                                            TARGET_P99_MS, higher_is_better=False))
     return results
 

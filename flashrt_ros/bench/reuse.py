@@ -1,0 +1,108 @@
+"""Prompt reuse in transformers vs capsules here, and the memory of forked branches.
+
+    python -m flashrt_ros.bench.reuse [--ttft 2048,4096,8192,16384] [--rounds 2]
+
+1. transformers on the same ``ModelConfig.bench()`` weights: TTFT of a cold
+   prefill of P + 64 tokens vs its documented reuse pattern (deepcopy of a
+   cache prefilled with the P-token prefix, then the 64-token suffix), each
+   followed by one decode step, as in the capsule benchmark.
+2. Fork memory: N branches explored from one 4k-token context (fork, restore,
+   4 decode steps, snapshot the branch's end) vs N full copies of the state.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+import time
+
+import torch
+
+from ..runtime import Engine, ModelConfig
+from ..runtime.weights import save_checkpoint, seeded_weights
+from .common import interleaved, machine, timed
+
+SUFFIX = 64
+
+
+def transformers_ttft(prefixes: tuple[int, ...], rounds: int, device: torch.device) -> list[dict]:
+    from .runtime import _hf_model
+
+    cfg = ModelConfig.bench()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(tmp, cfg, seeded_weights(cfg, seed=0))
+        hf = _hf_model(tmp, device)
+    suffix = torch.randint(0, cfg.vocab_size, (1, SUFFIX), generator=torch.Generator().manual_seed(1)).to(device)
+    rows = []
+    for prefix in prefixes:
+        ids = torch.randint(0, cfg.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(prefix))
+        ids = ids.to(device)
+        with torch.inference_mode():
+            prefilled = hf(ids, use_cache=True).cache
+
+            def first_token(out) -> None:
+                nxt = out.logits[:, -1:].argmax(-1)
+                hf(nxt, cache=out.cache, use_cache=True)
+
+            def cold() -> float:
+                return timed(lambda: first_token(hf(torch.cat([ids, suffix], 1), use_cache=True)), device)
+
+            def reuse() -> float:
+                return timed(lambda: first_token(hf(suffix, cache=copy.deepcopy(prefilled), use_cache=True)), device)
+
+            t = interleaved({"cold": cold, "reuse": reuse}, rounds)
+        rows.append({"prefix": prefix, "cold_ms": t["cold"] * 1e3, "reuse_ms": t["reuse"] * 1e3,
+                     "speedup": t["cold"] / t["reuse"]})
+        print(f"  transformers P={prefix:6d}: cold {t['cold'] * 1e3:9.1f} ms   deepcopy reuse "
+              f"{t['reuse'] * 1e3:8.1f} ms   x{rows[-1]['speedup']:.1f}")
+    return rows
+
+
+def fork_memory(branches: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 4096, steps: int = 4,
+                device: str = "cpu") -> list[dict]:
+    engine = Engine.from_config(ModelConfig.bench(), device=device, max_seq_len=context + 64,
+                                budgets={"device": 4 << 30})
+    engine.prefill(torch.randint(0, 32768, (context,), generator=torch.Generator().manual_seed(7)))
+    root = engine.snapshot(pin=True)
+    full = engine.capsules.get(root.id).nbytes
+    rows = []
+    for n in branches:
+        before = engine.capsules.used_bytes("device")
+        made = []
+        for _ in range(n):
+            fork = engine.fork(root)
+            engine.restore(fork)
+            engine.generate(steps)
+            made += [fork, engine.snapshot()]
+        used = engine.capsules.used_bytes("device") - before
+        rows.append({"branches": n, "bytes": used, "full_copies_bytes": n * full, "ratio": used / (n * full)})
+        print(f"  {n:3d} branches x {steps} steps from a {context}-token context: {used / 2**20:8.2f} MiB "
+              f"vs {n * full / 2**20:8.1f} MiB as full copies ({rows[-1]['ratio']:.4f})")
+        for capsule in made:
+            engine.capsules.drop(capsule)
+    return rows
+
+
+def run(prefixes: tuple[int, ...] = (2048, 4096, 8192, 16384), rounds: int = 2, device: str = "cpu") -> dict:
+    dev = torch.device(device)
+    print(f"prompt reuse and fork memory on {machine()}")
+    return {"machine": machine(), "device": str(dev), "time": time.time(),
+            "transformers_ttft": transformers_ttft(prefixes, rounds, dev), "fork_memory": fork_memory(device=device)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ttft", default="2048,4096,8192,16384", help="prefix lengths, comma-separated")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = run(tuple(int(x) for x in args.ttft.split(",")), args.rounds, args.device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
