@@ -58,11 +58,26 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = q.shape[-1] ** -0.5
     if q.shape[0] == 1:
         return _attend_one(q, keys, values, span.mask, scale)
-    mask = None if span.mask is None else span.mask[None]
+    if span.mask is not None:
+        return _attend_grouped(q, keys, values, span.mask, scale)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
         is_causal=span.causal, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """A chunk after a prefix: the query heads that share a KV head become one batch of
+    rows (their mask rows repeated), so SDPA reads each KV head once. With a mask and
+    ``enable_gqa``, SDPA on a CPU was 1.3-1.6x slower at 16k cached rows."""
+    n, hq, d = q.shape
+    kv_heads = keys.shape[1]
+    group = hq // kv_heads
+    rows = q.reshape(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
+    out = F.scaled_dot_product_attention(rows, keys.transpose(0, 1), values.transpose(0, 1),
+                                         attn_mask=mask.repeat(group, 1), scale=scale)
+    return out.reshape(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
 
 
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
