@@ -114,4 +114,28 @@ def test_close_releases_every_capsule_and_stops_the_digest_thread(tiny_engine):
     assert engine.capsules.used_bytes("device") > 0
     engine.close()
     assert engine.capsules.used_bytes("device") == 0 and engine.capsules.used_bytes("host") == 0
-    assert engine.capsules.list() == [] and not engine.capsules._worker.is_alive()
+    assert engine.capsules.list() == [] and not engine.capsules.digests.alive
+
+
+def test_waiting_for_a_digest_while_holding_the_lock_cannot_deadlock(tiny_engine):
+    """The worker finishes A and waits for the lock to settle it; the lock holder needs
+    B's digest, queued behind A. B is hashed in the holder's thread instead."""
+    import threading
+
+    engine = tiny_engine
+    engine.prefill(list(range(1, 60)))
+    done = threading.Event()
+
+    def holder():
+        with engine.lock:
+            engine.snapshot()                          # A
+            engine.generate(1)
+            b = engine.snapshot()                      # B, queued behind A
+            import time
+            time.sleep(0.2)                            # the worker is done with A and waits for the lock
+            engine.restore(b, verify=True)             # needs B's digest, with the lock held
+        done.set()
+
+    worker = threading.Thread(target=holder, daemon=True)
+    worker.start()
+    assert done.wait(20), "deadlock: the lock holder waited for a digest the worker could not reach"

@@ -10,11 +10,10 @@ one background thread, from the capsule's own immutable copy.
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
-from contextlib import AbstractContextManager
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -23,6 +22,7 @@ import torch
 
 from ..digest import history_digest, state_digest
 from . import diskformat
+from .digests import DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
 from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier
@@ -72,12 +72,13 @@ class Piece:
 class Record:
     """A capsule inside the store: its info, where its bytes are, and its boundary log."""
 
-    __slots__ = ("info", "pieces", "log", "last_used", "hashed", "path")
+    __slots__ = ("info", "pieces", "log", "last_used", "hashed", "path", "job")
 
     def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
         self.info, self.pieces, self.log, self.path = info, pieces, log_runs, path
         self.last_used = time.monotonic()
         self.hashed = threading.Event()
+        self.job = None
 
     def pieces_in(self, start: int, end: int) -> list[Piece]:
         return _slice(self.pieces, start, end)
@@ -120,9 +121,7 @@ class CapsuleStore:
         self._pin_host = device.type == "cuda"
         self.pool = DevicePool(self._budgets.get("device", 0), device)
         self.dir = Path(capsule_dir) if capsule_dir else None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._hash_worker, name="capsule-digest", daemon=True)
-        self._worker.start()
+        self.digests = DigestQueue(self._compute_digest, self._release, self._lock)
         if self.dir is not None:
             self._load_disk()
 
@@ -138,11 +137,13 @@ class CapsuleStore:
         with self._lock:
             return [r.info for r in self._records.values() if tier in (None, "", r.info.tier)]
 
-    def get(self, ref: str | CapsuleInfo, wait: bool = True, timeout: float = 30.0) -> CapsuleInfo:
-        """The capsule's info; with ``wait`` its digest is filled in first."""
+    def get(self, ref: str | CapsuleInfo, wait: bool = True) -> CapsuleInfo:
+        """The capsule's info; with ``wait`` its digest is filled in first (computed here if
+        the digest thread has not reached it)."""
         record = self.resolve(ref)
         if wait:
-            record.hashed.wait(timeout)
+            with self._lock:
+                self.digests.finish(record)
         return record.info
 
     def used_bytes(self, tier: str) -> int:
@@ -237,7 +238,8 @@ class CapsuleStore:
 
     def verify(self, record: Record) -> None:
         """Re-hash the capsule's stored bytes; CorruptCapsule if they no longer match its digest."""
-        record.hashed.wait()
+        with self._lock:
+            self.digests.finish(record)
         if record.info.tier == "disk":
             self._read_disk(record)  # verifies on read
             return
@@ -284,7 +286,7 @@ class CapsuleStore:
         record = Record(info, pieces, log_runs)
         self._records[info.id] = record
         self._hold(record)
-        self._jobs.put((record, list(record.pieces)))
+        self.digests.submit(record, list(record.pieces))
         return record
 
     def _hold(self, record: Record) -> None:
@@ -305,34 +307,20 @@ class CapsuleStore:
     def close(self) -> None:
         """Stop the digest thread once its queue is done and forget every capsule held in
         memory (disk files stay). The store is unusable afterwards."""
-        self._jobs.put(None)
-        self._worker.join()  # the caller must not hold the lock: the worker takes it to release
+        self.digests.close()  # the caller must not hold the lock: the worker takes it to release
         with self._lock:
             for record in list(self._records.values()):
                 self._release(record.pieces)
                 record.pieces = []
             self._records.clear()
 
-    def _hash_worker(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            record, pieces = job  # the held pieces: a drop meanwhile empties record.pieces
-            try:
-                read = lambda s, e, r=record, held=pieces: self._read(r, s, e, held)  # noqa: E731
-                digest = state_digest(self.layout.regions, record.info.position, read)
-                history = history_digest(self.layout.regions, record.info.position, read)
-                # Only _demote also replaces info, and it waits for ``hashed`` first.
-                record.info = replace(record.info, digest=digest, history_hash=history)
-            except Exception:  # a digest failure must never kill the worker
-                log.exception("digest of capsule %s failed", record.info.id)
-            finally:
-                # Announce first, release after: a waiter may hold the (engine) lock
-                # that the release needs, and it must not wait on us in turn.
-                record.hashed.set()
-                with self._lock:
-                    self._release(pieces)
+    def _compute_digest(self, record: Record, pieces: list[Piece]) -> None:
+        """On the digest thread, from the pieces the job holds (a drop empties record.pieces)."""
+        read = lambda s, e: self._read(record, s, e, pieces)  # noqa: E731
+        digest = state_digest(self.layout.regions, record.info.position, read)
+        history = history_digest(self.layout.regions, record.info.position, read)
+        # Only _demote also replaces info, and it waits for ``hashed`` first.
+        record.info = replace(record.info, digest=digest, history_hash=history)
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
         covering = record.pieces_in(start, end) if pieces is None else _slice(pieces, start, end)
@@ -385,7 +373,7 @@ class CapsuleStore:
             self._remove(record)
             self._emit("evict", record.info)
             return
-        record.hashed.wait()
+        self.digests.finish(record)  # the digest first, and the job's hold on the old tier ends now
         data = torch.cat([p.view().cpu() for p in record.pieces]) if record.pieces else None
         ranges = [(p.start, p.end) for p in record.pieces]
         old = record.pieces
@@ -404,6 +392,7 @@ class CapsuleStore:
 
     def _remove(self, record: Record) -> None:
         del self._records[record.info.id]
+        self.digests.settle(record)
         self._release(record.pieces)
         record.pieces = []
         if record.path is not None:
@@ -455,7 +444,11 @@ class CapsuleStore:
     def _read_disk(self, record: Record) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Read and verify a disk capsule's bytes before anyone uses them."""
         header = diskformat.read_header(record.path)
-        data = diskformat.read_data(record.path)
+        info = record.info
+        if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
+                [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
+            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} no longer describes this capsule")
+        data = diskformat.read_data(record.path, header)
         ranges = [tuple(r) for r in header["ranges"]]
         actual = state_digest(self.layout.regions, record.info.position, _range_reader(ranges, data))
         if actual != record.info.digest or header.get("digest") != record.info.digest:

@@ -1,0 +1,124 @@
+"""Capsule digests computed in the background, with exact accounting of what they hold.
+
+A digest job reads its capsule's chunks, so it holds them until it is settled.
+A capsule that leaves the store (dropped or evicted) settles its job at once:
+a job not yet started is cancelled, one in progress is waited for (one hash
+at most). So the bytes a tier counts are always those of the capsules in it,
+whatever the worker thread is doing. Budget decisions, and with them refusals
+and evictions, are then the same in a live run and in its replay.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+QUEUED, RUNNING, FINISHED, SETTLED = "queued", "running", "finished", "settled"
+
+
+class Job:
+    __slots__ = ("record", "pieces", "state")
+
+    def __init__(self, record: Any, pieces: list) -> None:
+        self.record, self.pieces, self.state = record, pieces, QUEUED
+
+
+class DigestQueue:
+    """``compute(record, pieces)`` runs on a worker thread; ``release(pieces)`` runs under ``lock``."""
+
+    def __init__(self, compute: Callable[[Any, list], None], release: Callable[[list], None], lock: Any) -> None:
+        self._compute, self._release, self._lock = compute, release, lock
+        self._cond = threading.Condition()
+        self._queue: deque[Job | None] = deque()
+        self._worker = threading.Thread(target=self._run, name="capsule-digest", daemon=True)
+        self._worker.start()
+
+    def submit(self, record: Any, pieces: list) -> None:
+        """Hash ``record`` later; ``pieces`` must already be held for the job."""
+        record.job = Job(record, pieces)
+        with self._cond:
+            self._queue.append(record.job)
+            self._cond.notify()
+
+    def settle(self, record: Any) -> None:
+        """Release what the record's job holds, now (call with ``lock`` held). A job not yet
+        started is cancelled (the record is leaving the store); one running is waited for."""
+        job = getattr(record, "job", None)
+        if job is None:
+            return
+        with self._cond:
+            if job.state == QUEUED:
+                self._queue.remove(job)
+                job.state = FINISHED
+        if job.state == RUNNING:
+            # The worker announces ``hashed`` before it takes the lock, so this wait ends.
+            record.hashed.wait()
+        self._settle(job)
+        record.hashed.set()
+
+    def finish(self, record: Any) -> None:
+        """Make the record's digest final and release its job's hold, now (``lock`` held).
+        A queued job runs in this thread: waiting for the worker could deadlock, since the
+        worker may be waiting for ``lock`` to settle the job before it."""
+        job = getattr(record, "job", None)
+        if job is None:
+            return
+        with self._cond:
+            here = job.state == QUEUED
+            if here:
+                self._queue.remove(job)
+                job.state = RUNNING
+        if here:
+            try:
+                self._compute(record, job.pieces)
+            except Exception:
+                log.exception("digest of capsule %s failed", record.info.id)
+            with self._cond:
+                job.state = FINISHED
+            record.hashed.set()
+        elif job.state == RUNNING:
+            record.hashed.wait()  # the worker is hashing this very record: no lock needed for that
+        self._settle(job)
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop (call without ``lock``: the worker needs it)."""
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify()
+        self._worker.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._worker.is_alive()
+
+    def _settle(self, job: Job) -> None:
+        with self._cond:
+            if job.state == SETTLED:
+                return
+            job.state = SETTLED
+        self._release(job.pieces)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue.popleft()
+                if job is None:
+                    return
+                job.state = RUNNING
+            try:
+                self._compute(job.record, job.pieces)
+            except Exception:  # a digest failure must never kill the worker
+                log.exception("digest of capsule %s failed", job.record.info.id)
+            finally:
+                with self._cond:
+                    if job.state == RUNNING:
+                        job.state = FINISHED
+                # Announce first, settle after: a waiter may hold the lock the release needs.
+                job.record.hashed.set()
+                with self._lock:
+                    self._settle(job)
