@@ -2,13 +2,16 @@
 
 The file holds one uint8 tensor, ``state``: the capsule's live bytes, range
 after range, and a JSON header under the metadata key ``flashrt_capsule``
-(ids, fingerprints, digest, region table, ranges). It is written to a temp
+(ids, fingerprints, digest, region table, ranges). The data is covered by the
+capsule digest and (with the padding between regions) by ``data_digest``, the
+header by its own ``header_digest``, so a flipped byte anywhere is caught. It is written to a temp
 file, fsynced, renamed into place and the folder fsynced, so a crash leaves
 either the old set of files or the new one. The file name comes from the
 capsule id, never from its user-given name. No pickle anywhere.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -20,8 +23,18 @@ from safetensors.torch import save_file
 from .errors import CapsuleIOError, CorruptCapsule
 
 SUFFIX = ".capsule"
-VERSION = 1
+VERSION = 2
 _KEY = "flashrt_capsule"
+
+
+def _data_digest(data: torch.Tensor) -> str:
+    return hashlib.blake2b(data.numpy().data, digest_size=32).hexdigest()
+
+
+def _header_digest(header: dict) -> str:
+    canonical = json.dumps({k: v for k, v in header.items() if k != "header_digest"}, sort_keys=True,
+                           separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
 
 def path_for(folder: Path, capsule_id: str) -> Path:
@@ -32,7 +45,10 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
     """Atomically write ``data`` (uint8, host) with ``header``; raises CapsuleIOError."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        save_file({"state": data.contiguous()}, str(tmp), metadata={_KEY: json.dumps({"version": VERSION, **header})})
+        data = data.contiguous()
+        full = {"version": VERSION, **header, "data_digest": _data_digest(data)}
+        full["header_digest"] = _header_digest(full)
+        save_file({"state": data}, str(tmp), metadata={_KEY: json.dumps(full)})
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -41,9 +57,12 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CapsuleIOError(f"cannot write capsule {path.name}: {exc.strerror or exc}") from None
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # the folder itself is gone or is not a folder: nothing was left there
+            pass
+        raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def read_header(path: Path) -> dict:
@@ -65,6 +84,8 @@ def read_header(path: Path) -> dict:
         raise CorruptCapsule(f"{path.name}: missing or malformed capsule header ({exc})") from None
     if not isinstance(header, dict) or header.get("version") != VERSION:
         raise CorruptCapsule(f"{path.name}: unsupported capsule header version {header.get('version') if isinstance(header, dict) else None!r}")
+    if header.get("header_digest") != _header_digest(header):
+        raise CorruptCapsule(f"{path.name}: capsule header does not match its header digest")
     ranges = header.get("ranges")
     if (dtype != "U8" or len(shape) != 1 or not isinstance(ranges, list)
             or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] <= r[1]
@@ -74,10 +95,15 @@ def read_header(path: Path) -> dict:
     return header
 
 
-def read_data(path: Path) -> torch.Tensor:
+def read_data(path: Path, header: dict) -> torch.Tensor:
+    """The stored bytes, checked against the header's ``data_digest`` (padding between
+    regions included, which the state digest does not cover)."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor("state")
+            data = f.get_tensor("state")
+        if _data_digest(data) != header.get("data_digest"):
+            raise CorruptCapsule(f"{path.name}: stored bytes do not match their data digest")
+        return data
     except SafetensorError as exc:
         raise CorruptCapsule(f"{path.name}: unreadable capsule data ({exc})") from None
     except OSError as exc:

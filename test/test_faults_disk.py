@@ -1,0 +1,153 @@
+"""Crash safety and a full or vanished disk: nothing partial under a final name, nothing lost,
+IO_ERROR with no debris, and the writer keeps serving."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from flashrt_ros.runtime import Engine, ModelConfig
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from flashrt_ros.runtime import Engine, ModelConfig
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=4096, capsule_dir=sys.argv[1],
+                                budgets={"disk": 1 << 30})
+    print("ready", flush=True)
+    while engine.position < 4000:
+        engine.prefill(list(range(1, 30)))
+        info = engine.snapshot(tier="disk")
+        print("saved", info.id, flush=True)
+""")
+
+
+def test_sigkill_mid_save_leaves_only_whole_capsules(tmp_path):
+    folder = tmp_path / "capsules"
+    rng = random.Random(1234)
+    saved: list[str] = []
+    kills = 12
+    for _ in range(kills):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(folder)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside a save, most of the time
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate()
+        saved += [line.split()[1] for line in out.splitlines() if line.startswith("saved")]
+        finals = sorted(folder.glob("*.capsule"))
+        loaded = Engine.from_config(ModelConfig.tiny(), max_seq_len=4096, capsule_dir=str(folder),
+                                    budgets={"disk": 1 << 30})
+        ids = {c.id for c in loaded.capsules.list()}
+        assert len(ids) == len(finals), "a file under a final name did not load: partial or corrupt"
+        assert set(saved) <= ids, "a capsule reported saved was lost"
+        for capsule_id in list(ids)[:3]:
+            loaded.restore(capsule_id, verify=True)
+        assert not list(folder.glob(".*.tmp")), "the loader leaves no debris of interrupted writes"
+        loaded.close()
+    print(f"FAULT crash (SIGKILL during disk snapshots) | tried {kills} | handled {kills} | "
+          f"{len(saved)} capsules saved, {len(saved)} found whole | lost 0")
+
+
+_FULL_DISK = textwrap.dedent("""
+    import json, resource, signal, sys
+    from flashrt_ros.capsule import CapsuleError
+    from flashrt_ros.runtime import Engine, ModelConfig
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=sys.argv[1])
+    engine.prefill(list(range(1, 60)))
+    small = engine.snapshot(tier="disk")          # fits under the limit set below
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+    engine.prefill(list(range(1, 120)))
+    before = engine.state_digest()
+    try:
+        engine.snapshot(tier="disk")
+        code = 0
+    except CapsuleError as exc:
+        code = int(exc.code)
+    after = engine.state_digest()
+    device = engine.snapshot(tier="device")
+    engine.restore(small.id, verify=True)
+    engine.restore(device.id, verify=True)
+    print(json.dumps({"code": code, "unchanged": before == after, "serving": engine.state_digest() == after,
+                      "listed": len(engine.capsules.list())}))
+""")
+
+
+def test_disk_full_fails_with_io_error_leaves_no_debris_and_keeps_serving(tmp_path):
+    folder = tmp_path / "capsules"
+    run = subprocess.run([sys.executable, "-c", _FULL_DISK, str(folder), str(100_000)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"code": 8, "unchanged": True, "serving": True, "listed": 2}, result
+    files = sorted(p.name for p in folder.iterdir())
+    assert len(files) == 1 and files[0].endswith(".capsule"), f"debris left: {files}"
+    print("FAULT disk full (RLIMIT_FSIZE) | tried 1 | handled 1 | lost 0")
+
+
+def test_vanished_or_unwritable_capsule_dir_fails_with_io_error_and_keeps_serving(tmp_path):
+    from flashrt_ros.capsule import CapsuleError
+
+    folder = tmp_path / "capsules"
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=str(folder))
+    engine.prefill(list(range(1, 30)))
+    kept = engine.snapshot(tier="device")
+    cases = 0
+    for breakage in ("replaced by a file", "removed"):  # (chmod would not stop root, who runs CI here)
+        shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            folder.unlink()
+        if breakage != "removed":
+            folder.write_text("not a folder")
+        before = engine.state_digest()
+        with pytest.raises(CapsuleError) as refused:
+            engine.snapshot(tier="disk")
+        assert refused.value.code == 8 and engine.state_digest() == before, breakage
+        engine.restore(kept, verify=True)
+        cases += 1
+    print(f"FAULT unwritable capsule_dir | tried {cases} | handled {cases} | lost 0")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 and not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
+def test_the_node_answers_io_error_on_a_full_disk_and_keeps_serving(tmp_path, monkeypatch):
+    """flashrt_node itself under a file-size limit, driven over DDS from this process."""
+    import rclpy
+    from rclpy.context import Context
+
+    from flashrt_ros.errors import ErrorCode
+    from ros_harness import Harness
+
+    monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "OFF")
+    context = Context()
+    rclpy.init(context=context)
+    folder = tmp_path / "capsules"
+    h = Harness(context, {"capsule_dir": str(folder)})
+    try:
+        _, result = h.generate(token_ids=list(range(1, 100)), max_new_tokens=0)
+        from ros_harness import wait_future
+
+        assert wait_future(result).result.success
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, old[1]))
+        try:
+            full = h.call("snapshot", tier="disk")
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+        assert not full.success and full.error_code == ErrorCode.IO_ERROR and full.message
+        assert list(folder.iterdir()) == [], "debris left by the failed save"
+        assert h.call("snapshot", tier="device").success and h.call("list_capsules").success
+    finally:
+        h.close()
+        context.try_shutdown()
+    print("FAULT disk full via the node service | tried 1 | handled 1 | lost 0")
