@@ -53,8 +53,54 @@ def test_sigkill_mid_save_leaves_only_whole_capsules(tmp_path):
             loaded.restore(capsule_id, verify=True)
         assert not list(folder.glob(".*.tmp")), "the loader leaves no debris of interrupted writes"
         loaded.close()
+    _a_new_node_loads_them_all(folder, len(list(folder.glob("*.capsule"))))
     print(f"FAULT crash (SIGKILL during disk snapshots) | tried {kills} | handled {kills} | "
           f"{len(saved)} capsules saved, {len(saved)} found whole | lost 0")
+
+
+def _a_new_node_loads_them_all(folder: Path, expected: int) -> None:
+    """flashrt_node as its own process on the same capsule_dir lists every capsule."""
+    import rclpy
+    from rclpy.context import Context
+
+    from ros_harness import SERVICES, wait_future
+
+    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
+    node = subprocess.Popen([sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "-p", "autostart:=true",
+                             "-p", "max_seq_len:=4096", "-p", f"capsule_dir:={folder}", "-p", "budgets.disk_mb:=1024",
+                             "-p", "status_rate:=0.0", "-p", "policy.obs_dim:=0", "-p", "policy.action_dim:=0"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = os.environ.get("ROS_AUTOMATIC_DISCOVERY_RANGE")
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    context = Context()
+    rclpy.init(context=context)
+    try:
+        from rclpy.executors import SingleThreadedExecutor
+        import threading
+
+        client_node = rclpy.create_node("crash_check", context=context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(client_node)
+        threading.Thread(target=executor.spin, daemon=True).start()
+        client = client_node.create_client(SERVICES["list_capsules"], "/flashrt/list_capsules")
+        assert client.wait_for_service(timeout_sec=90)
+        deadline = time.monotonic() + 60
+        while True:
+            listed = wait_future(client.call_async(SERVICES["list_capsules"].Request()), 60)
+            if listed.success or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert listed.success and len(listed.capsules) == expected, (len(listed.capsules), expected)
+        executor.shutdown()
+        client_node.destroy_node()
+    finally:
+        context.try_shutdown()
+        if saved is None:
+            os.environ.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)
+        else:
+            os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = saved
+        node.send_signal(signal.SIGTERM)
+        node.wait(15)
 
 
 _FULL_DISK = textwrap.dedent("""

@@ -101,13 +101,36 @@ def test_fuzz_drop(live, capsule_id):
     _answered(live[0], "drop_capsule", capsule_id=capsule_id)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=HOSTILE_TEXT, token_ids=st.lists(INT32, max_size=20),
+       max_new_tokens=st.one_of(st.integers(-2**31, 4), st.just(2**31 - 1)))
+def test_fuzz_generate(live, prompt, token_ids, max_new_tokens):
+    h = live[0]
+    TALLY["tried"] += 1
+    try:
+        from flashrt_ros.action import Generate
+
+        Generate.Goal(prompt=prompt, token_ids=token_ids, max_new_tokens=max_new_tokens)
+    except (ValueError, TypeError, AssertionError):
+        TALLY["answered"] += 1
+        return
+    position = h.node.engine.position
+    if position > 400:  # keep room for the rest of the fuzz
+        h.call("restore", capsule_id="anchor")
+    _, result = h.generate(prompt=prompt, token_ids=token_ids, max_new_tokens=max_new_tokens)
+    res = wait_future(result, 60).result
+    assert res.error_code in CODES and res.error_code != ErrorCode.INTERNAL, res.message
+    assert res.success or res.message
+    TALLY["answered"] += 1
+
+
 def test_zz_after_the_fuzz_the_node_serves_and_wrote_nothing_outside_capsule_dir(live):
     h, folder = live
     outside = [p for p in folder.rglob("*") if p.is_file() and "capsules" not in p.relative_to(folder).parts]
     assert outside == []
     assert h.call("restore", capsule_id="anchor", verify=True).success
     assert TALLY["tried"] == TALLY["answered"] > 0
-    print(f"FAULT hostile requests (6 services, hypothesis) | tried {TALLY['tried']} | "
+    print(f"FAULT hostile requests (6 services + generate, hypothesis) | tried {TALLY['tried']} | "
           f"handled {TALLY['answered']} | lost 0")
 
 
