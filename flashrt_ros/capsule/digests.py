@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -30,7 +31,9 @@ class DigestQueue:
     """``compute(record, pieces)`` runs on a worker thread; ``release(pieces)`` runs under ``lock``."""
 
     def __init__(self, compute: Callable[[Any, list], None], release: Callable[[list], None], lock: Any) -> None:
-        self._compute, self._release, self._lock = compute, release, lock
+        # Weak: the worker thread must not keep a dropped engine's store (and its memory) alive.
+        self._compute_ref, self._release_ref = weakref.WeakMethod(compute), weakref.WeakMethod(release)
+        self._lock = lock
         self._cond = threading.Condition()
         self._queue: deque[Job | None] = deque()
         self._worker = threading.Thread(target=self._run, name="capsule-digest", daemon=True)
@@ -94,18 +97,27 @@ class DigestQueue:
     def alive(self) -> bool:
         return self._worker.is_alive()
 
+    def _compute(self, record: Any, pieces: list) -> None:
+        compute = self._compute_ref()
+        if compute is not None:
+            compute(record, pieces)
+
     def _settle(self, job: Job) -> None:
         with self._cond:
             if job.state == SETTLED:
                 return
             job.state = SETTLED
-        self._release(job.pieces)
+        release = self._release_ref()
+        if release is not None:
+            release(job.pieces)
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._queue:
-                    self._cond.wait()
+                    if self._compute_ref() is None:
+                        return  # the store is gone: nothing will ever be queued again
+                    self._cond.wait(timeout=5.0)
                 job = self._queue.popleft()
                 if job is None:
                     return

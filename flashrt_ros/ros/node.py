@@ -189,6 +189,7 @@ class FlashRTNode(LifecycleNode):
             return
         with engine.lock:  # in-flight operations finish first
             self.engine = None
+            self._requests.clear()  # request ids name capsules of this engine only
         engine.close()
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()
