@@ -22,7 +22,7 @@ import torch
 
 from ..digest import history_digest, state_digest
 from . import diskformat
-from .digests import DigestQueue
+from .digest_queue import DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
 from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier
