@@ -9,14 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..action import Generate
 from ..errors import InvalidArgument, NotActive
 from ..replay import journal as J
 
 
 def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> None:
     """Fill ``result`` (and stream feedback); raise a FlashRTError to refuse or stop."""
-    from ..action import Generate
-
     goal = goal_handle.request
     ids = _prompt_ids(node.tokenizer, goal)
     n = goal.max_new_tokens

@@ -3,7 +3,7 @@
 The engine takes its lock once per decode step. ``threading.RLock`` makes no
 promise about who gets it next, and in practice the generating thread wins it
 back again and again: a snapshot that arrived mid-generation was measured
-waiting up to nine decode steps. With arrival order, it waits for at most the
+waiting up to 83 decode steps. With arrival order, it waits for at most the
 step in progress.
 """
 from __future__ import annotations
