@@ -108,7 +108,7 @@ def test_absent_server_fails_with_no_server(live):
     from flashrt_ros.bt.behaviours import NO_SERVER, Drop
 
     py_trees.blackboard.Blackboard.set("x", "whatever")
-    behaviour = Drop("drop on nobody", live.client, "x", server="/nobody")
+    behaviour = Drop("drop on nobody", live.client, "x", server="/nobody", wait_for_server_s=0.2)
     assert _tick_until_done(behaviour) == Status.FAILURE
     assert _blackboard("flashrt_error")["code"] == NO_SERVER
 

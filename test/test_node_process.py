@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,12 @@ def test_installed_node_serves_another_process_and_stops_on_sigterm(monkeypatch,
         assert call("restore", capsule_id="nope").error_code == ErrorCode.UNKNOWN_CAPSULE
         assert len(call("list_capsules").capsules) == 2
         assert call("drop_capsule", capsule_id=snap.capsule_id).success
+
+        # The example trees, one command each, against this live node.
+        for tree in (["attempt-with-rollback"], ["explore-and-commit", "--branches", "2"]):
+            run = subprocess.run([sys.executable, "-m", "flashrt_ros.bt.examples", *tree], capture_output=True,
+                                 text=True, timeout=120, env=dict(os.environ))
+            assert run.returncode == 0 and f"{tree[0]}: SUCCESS" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
 
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -122,8 +122,14 @@ def _client(context):
     node = rclpy.create_node("flashrt_bench_client", context=context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(node)
-    threading.Thread(target=executor.spin, daemon=True).start()
+    executor.spinner = threading.Thread(target=executor.spin, daemon=True)
+    executor.spinner.start()
     return node, executor
+
+
+def _stop(executor) -> None:
+    executor.shutdown(timeout_sec=5)
+    executor.spinner.join(5)  # out of rclpy's C++ wait before the interpreter exits
 
 
 def cross_process(calls: int) -> dict:
@@ -144,7 +150,7 @@ def cross_process(calls: int) -> dict:
         return stats
     finally:
         bare.send_signal(signal.SIGTERM)
-        executor.shutdown()
+        _stop(executor)
         node.destroy_node()
         context.try_shutdown()
         proc.send_signal(signal.SIGTERM)
@@ -175,7 +181,7 @@ def same_process(calls: int) -> dict:
     try:
         return _measure(node, calls)
     finally:
-        client_executor.shutdown()
+        _stop(client_executor)
         executor.shutdown()
         node.destroy_node()
         server.destroy_node()

@@ -42,14 +42,24 @@ NO_SERVER = -2        # error_code written when the service or action server is 
 class _Call(py_trees.behaviour.Behaviour):
     """Shared machinery: send on initialise, poll on update, abandon on halt."""
 
-    def __init__(self, name: str, node: Any, server: str, timeout_s: float, error_key: str) -> None:
+    def __init__(self, name: str, node: Any, server: str, timeout_s: float, error_key: str,
+                 wait_for_server_s: float = 5.0) -> None:
         super().__init__(name)
         self.node, self.server, self.timeout_s, self.error_key = node, server.rstrip("/"), timeout_s, error_key
+        self.wait_for_server_s = wait_for_server_s
         self.bb = self.attach_blackboard_client(name=name)
         self.bb.register_key(error_key, access=Access.WRITE)
         self._future = None
         self._deadline = 0.0
         self.late_answers = 0
+
+    def setup(self, **kwargs: Any) -> None:
+        """Give discovery time to find the server (up to ``wait_for_server_s``); a server
+        still absent then is reported as NO_SERVER when the behaviour runs, not here."""
+        self._wait_for_server(min(self.wait_for_server_s, float(kwargs.get("timeout", self.wait_for_server_s))))
+
+    def _wait_for_server(self, seconds: float) -> None:
+        raise NotImplementedError
 
     def _key(self, key: str, access: Access) -> None:
         self.bb.register_key(key, access=access)
@@ -98,9 +108,12 @@ class _ServiceCall(_Call):
     service = ""
 
     def __init__(self, name: str, node: Any, server: str = "/flashrt", timeout_s: float = 5.0,
-                 error_key: str = "flashrt_error") -> None:
-        super().__init__(name, node, server, timeout_s, error_key)
+                 error_key: str = "flashrt_error", wait_for_server_s: float = 5.0) -> None:
+        super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
         self.client = node.create_client(self.srv_type, f"{self.server}/{self.service}")
+
+    def _wait_for_server(self, seconds: float) -> None:
+        self.client.wait_for_service(timeout_sec=seconds)
 
     def request(self) -> Any:
         raise NotImplementedError
@@ -237,13 +250,17 @@ class Generate(_Call):
     """
 
     def __init__(self, name: str, node: Any, result_key: str, prompt: str = "", max_new_tokens: int = 16,
-                 server: str = "/flashrt", timeout_s: float = 30.0, error_key: str = "flashrt_error") -> None:
-        super().__init__(name, node, server, timeout_s, error_key)
+                 server: str = "/flashrt", timeout_s: float = 30.0, error_key: str = "flashrt_error",
+                 wait_for_server_s: float = 5.0) -> None:
+        super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
         self.action = GenerateAction
         self.client = ActionClient(node, GenerateAction, f"{self.server}/generate")
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
         self._key(result_key, Access.WRITE)
         self._goal = None
+
+    def _wait_for_server(self, seconds: float) -> None:
+        self.client.wait_for_server(timeout_sec=seconds)
 
     def initialise(self) -> None:
         self._future, self._goal = None, None

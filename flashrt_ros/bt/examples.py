@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     node = rclpy.create_node("flashrt_bt_example")
     executor = SingleThreadedExecutor()
     executor.add_node(node)
-    threading.Thread(target=executor.spin, daemon=True).start()
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
     try:
         extra = {"branches": args.branches} if args.tree == "explore-and-commit" else {}
         root = TREES[args.tree](node, server=args.server, **extra)
@@ -109,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.tree}: {status.value}")
         return 0 if status == Status.SUCCESS else 1
     finally:
-        executor.shutdown()
+        # The spin thread must be out of rclpy's C++ wait before the interpreter exits
+        # (a thread still inside it aborts the process at exit).
+        executor.shutdown(timeout_sec=5)
+        spinner.join(5)
         node.destroy_node()
         rclpy.try_shutdown()
 

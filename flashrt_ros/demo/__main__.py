@@ -76,7 +76,8 @@ class Demo:
         self.node = rclpy.create_node("flashrt_demo", context=self.context)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
-        threading.Thread(target=self.executor.spin, daemon=True).start()
+        self._spinner = threading.Thread(target=self.executor.spin, daemon=True)
+        self._spinner.start()
         self.srv = {name: self.node.create_client(t, f"/flashrt/{name}") for name, t in
                     (("snapshot", Snapshot), ("restore", Restore), ("list_capsules", ListCapsules),
                      ("drop_capsule", DropCapsule))}
@@ -242,7 +243,8 @@ class Demo:
         return pictures
 
     def close(self) -> int:
-        self.executor.shutdown()
+        self.executor.shutdown(timeout_sec=5)
+        self._spinner.join(5)  # out of rclpy's C++ wait before the interpreter exits
         self.node.destroy_node()
         self.context.try_shutdown()
         self.proc.send_signal(signal.SIGTERM)
