@@ -74,7 +74,6 @@ PARAMS = (
           "into a new MCAP bag there (replay with flashrt-replay); empty = off"),
     Param("autostart", False, "configure and activate at start"),
 )
-BY_NAME = {p.name: p for p in PARAMS}
 
 
 def declare_all(node: Any) -> None:
