@@ -107,7 +107,7 @@ $(VENV_STAMP):
 	  # a lock that does not fit this index (say, torch with other deps).
 	  locked=no
 	  if "$(VENV)/bin/python" "$(REQ)/freeze.py" --distro "$(WHEEL_DISTRO)" --lock-is-current &&
-	     "$(VENV)/bin/python" -m pip install -q $(PIP_FAST) --no-deps --only-binary=:all: \
+	     "$(VENV)/bin/python" -m pip install -q $(PIP_FAST) --no-deps \
 	       -r "$(REQ)/lock-$(WHEEL_DISTRO).txt" &&
 	     "$(VENV)/bin/python" -m pip check >/dev/null; then
 	    locked=yes
