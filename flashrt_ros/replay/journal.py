@@ -16,8 +16,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-import torch
-
 from ..errors import FlashRTError
 
 # Kinds of entries, and the engine call each one replays as.
@@ -35,8 +33,11 @@ class Entry:
 
 
 def action_bytes(action: Any) -> str:
-    """An action vector as the hex of its float32 bytes: compared byte for byte on replay."""
-    return action.detach().cpu().to(dtype=torch.float32).numpy().astype("<f4").tobytes().hex()
+    """An action vector (a torch tensor) as the hex of its float32 bytes, compared byte for byte on replay.
+
+    Duck-typed so that readers of a journal (the demo's client) need not import torch.
+    """
+    return action.detach().cpu().float().numpy().astype("<f4").tobytes().hex()
 
 
 @dataclass
