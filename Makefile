@@ -67,7 +67,9 @@ else
   SETUP_KEY := system-$(or $(ROS_DISTRO),unknown)
 endif
 
-REQ_HASH := $(shell cat $(REQ)/*.txt | sha256sum | cut -c1-16)
+# Another distro's lock is no reason to reinstall.
+REQ_FILES := $(filter-out $(REQ)/lock-%,$(wildcard $(REQ)/*.txt)) $(wildcard $(REQ)/lock-$(WHEEL_DISTRO)-*.txt)
+REQ_HASH := $(shell cat $(REQ_FILES) | sha256sum | cut -c1-16)
 VENV_STAMP := $(VENV)/.flashrt-setup-$(SETUP_KEY)-$(REQ_HASH)
 BUILD_STAMP := install/.flashrt-built
 BUILD_INPUTS := package.xml CMakeLists.txt $(shell find msg srv action cmake \
