@@ -139,3 +139,17 @@ def test_waiting_for_a_digest_while_holding_the_lock_cannot_deadlock(tiny_engine
     worker = threading.Thread(target=holder, daemon=True)
     worker.start()
     assert done.wait(20), "deadlock: the lock holder waited for a digest the worker could not reach"
+
+
+@pytest.mark.parametrize("position", [0, 1, 37])
+def test_copy_ranges_cover_the_live_state_with_touching_ranges_merged(position):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    layout = engine.capsules.layout
+    ranges = layout.ranges(position)
+    live = layout.fixed_bytes + sum(r.row_bytes * position for r in layout.regions if r.per_token)
+    assert sum(e - s for s, e in ranges) == live
+    assert all(s < e for s, e in ranges)
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), "touching ranges must be one copy"
+    first_rows = min((r for r in layout.regions if r.per_token), key=lambda r: r.offset)
+    if position and first_rows.offset == layout.fixed_bytes:
+        assert ranges[0] == (0, layout.fixed_bytes + first_rows.row_bytes * position)

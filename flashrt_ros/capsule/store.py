@@ -43,11 +43,19 @@ class Layout:
     table: tuple[dict, ...]
 
     def ranges(self, position: int, start_position: int = 0) -> list[tuple[int, int]]:
-        """The fixed block plus, for each per-token region, rows [start_position, position)."""
+        """The fixed block plus, for each per-token region, rows [start_position, position).
+
+        Ranges that touch are merged (the first per-token region starts where the
+        fixed block ends): each range is one copy on snapshot and restore.
+        """
         out = [(0, self.fixed_bytes)]
         for r in self.regions:
             if r.per_token and position > start_position:
-                out.append((r.offset + start_position * r.row_bytes, r.offset + position * r.row_bytes))
+                start, end = r.offset + start_position * r.row_bytes, r.offset + position * r.row_bytes
+                if start == out[-1][1]:
+                    out[-1] = (out[-1][0], end)
+                else:
+                    out.append((start, end))
         return out
 
     def group_ranges(self, position: int, groups: Iterable[str]) -> list[tuple[int, int]]:
