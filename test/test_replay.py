@@ -50,6 +50,7 @@ def test_a_recorded_session_with_capsule_calls_replays_identically_and_tampering
         assert replay_main([str(tmp_path / f"tampered-{kind}")]) == 1
         err = capsys.readouterr().err
         assert f"seq={seq} ({kind})" in err, err
+        assert f"recorded with torch {journal.session['torch']}" in err, err
 
 
 def test_the_committed_bag_replays_with_the_installed_command(tmp_path):

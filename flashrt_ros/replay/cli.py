@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from ..errors import FlashRTError
 from .bag import ENTRY_TOPIC, read_bag
 from .journal import ReplayMismatch, replay
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         report = replay(journal.entries, engine)
     except ReplayMismatch as exc:
         print(f"MISMATCH in {ENTRY_TOPIC}, {exc}", file=sys.stderr)
+        print(f"(recorded with torch {session.get('torch', 'unknown')}, replayed with {torch.__version__}: "
+              "replay is byte-exact on the same torch and flashrt_ros build only)", file=sys.stderr)
         return 1
     print(f"identical: {report.entries} operations, {report.tokens} tokens, {report.actions} actions "
           f"(byte for byte), {report.capsule_calls} capsule calls with their state digests, "

@@ -21,7 +21,10 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "rollback_depth": engine.rollback_depth,
             "budgets": {t: store.budget_bytes(t) for t in TIERS}, "spill": store.spill,
             "disk_tier": store.dir is not None, "model_fingerprint": engine.model_fingerprint,
-            "layout_fingerprint": engine.layout_fingerprint}
+            "layout_fingerprint": engine.layout_fingerprint,
+            # Replay is byte-exact on the same kernels: another torch (or another
+            # flashrt_ros attention path) may round differently.
+            "torch": torch.__version__}
 
 
 def engine_for(session: dict[str, Any], device: str = "cpu") -> Engine:
