@@ -6,7 +6,7 @@
 #   make demo    python -m flashrt_ros.demo: the robot scenario over ROS 2 (installed package)
 #   make bench   python -m flashrt_ros.bench (installed package)
 #   make clean   remove build/ install/ log/; `make distclean` also .venv
-#   make freeze  rewrite requirements/constraints*.txt from .venv
+#   make freeze  rewrite requirements/constraints*.txt and lock-<distro>-*.txt from .venv
 #
 # Where ROS 2 comes from (FLASHRT_ROS=auto|wheels|system, default auto):
 #   system  a sourced ROS 2 installation (AMENT_PREFIX_PATH names a prefix

@@ -1,4 +1,4 @@
-"""Freeze the packages pip installed in this venv into the constraints files.
+"""Freeze the packages pip installed in this venv into the constraints and lock files.
 
 Run by `make freeze` with the venv's Python after a working `make setup`:
 
@@ -112,9 +112,9 @@ def inputs_digest(distro: str) -> str:
     return h.hexdigest()[:16]
 
 
-def top_level_pins(distro: str, files: tuple[str, ...] = TOP_LEVEL) -> dict[str, str]:
+def top_level_pins(distro: str) -> dict[str, str]:
     pins: dict[str, str] = {}
-    for name in (*files, f"ros-{distro}.txt"):
+    for name in (*TOP_LEVEL, f"ros-{distro}.txt"):
         for line in (HERE / name).read_text().splitlines():
             line = line.split("#", 1)[0].strip()
             if "==" in line:
@@ -142,7 +142,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--distro", required=True, choices=["jazzy", "kilted"])
     parser.add_argument("--lock-is-current", action="store_true",
-                        help="only exit 0 if lock-<distro>.txt matches the requirement files")
+                        help="only exit 0 if lock-<distro>-*.txt match the requirement files")
     args = parser.parse_args()
     if args.lock_is_current:
         return 0 if lock_is_current(args.distro) else 1
