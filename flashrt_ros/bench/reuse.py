@@ -39,17 +39,20 @@ def transformers_ttft(prefixes: tuple[int, ...], rounds: int, device: torch.devi
         ids = torch.randint(0, cfg.vocab_size, (1, prefix), generator=torch.Generator().manual_seed(prefix))
         ids = ids.to(device)
         with torch.inference_mode():
-            prefilled = hf(ids, use_cache=True).cache
+            # logits_to_keep=1 throughout, as generate() does: only the last row is used.
+            prefilled = hf(ids, use_cache=True, logits_to_keep=1).cache
 
             def first_token(out) -> None:
                 nxt = out.logits[:, -1:].argmax(-1)
                 hf(nxt, cache=out.cache, use_cache=True)
 
             def cold() -> float:
-                return timed(lambda: first_token(hf(torch.cat([ids, suffix], 1), use_cache=True)), device)
+                return timed(lambda: first_token(hf(torch.cat([ids, suffix], 1), use_cache=True, logits_to_keep=1)),
+                             device)
 
             def reuse() -> float:
-                return timed(lambda: first_token(hf(suffix, cache=copy.deepcopy(prefilled), use_cache=True)), device)
+                return timed(lambda: first_token(hf(suffix, cache=copy.deepcopy(prefilled), use_cache=True,
+                                                    logits_to_keep=1)), device)
 
             t = interleaved({"cold": cold, "reuse": reuse}, rounds)
         rows.append({"prefix": prefix, "cold_ms": t["cold"] * 1e3, "reuse_ms": t["reuse"] * 1e3,
