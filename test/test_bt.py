@@ -169,3 +169,79 @@ def test_behaviortree_cpp_xml_mirrors_the_python_tree_and_names_real_services():
     for e in root.iter():
         if e.tag.startswith("Flashrt"):
             assert e.get("error_code") == "{error_code}" and e.get("error_message") == "{error_message}"
+
+
+class _ManualFuture:
+    """A future whose done callbacks run only when the test says, as on a busy executor thread."""
+
+    def __init__(self) -> None:
+        self._done, self._result, self._callbacks = False, None, []
+
+    def add_done_callback(self, fn) -> None:
+        self._callbacks.append(fn)
+
+    def complete(self, result) -> None:
+        self._done, self._result = True, result
+
+    def run_callbacks(self) -> None:
+        for fn in self._callbacks:
+            fn(self)
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+
+def _probe():
+    from flashrt_ros.bt.behaviours import _Call
+
+    class Probe(_Call):
+        def __init__(self) -> None:
+            super().__init__("probe", node=None, server="/x", timeout_s=30.0, error_key="probe_error")
+            self.undone: list = []
+
+        def _wait_for_server(self, seconds: float) -> None:
+            pass
+
+        def update(self) -> Status:
+            return Status.RUNNING
+
+        def _late(self, future) -> None:
+            self.undone.append(future.result())
+
+    return Probe()
+
+
+def test_an_answer_already_taken_is_not_late_when_its_callback_runs_after():
+    # The race that cancelled generate goals under load: update() took the goal handle
+    # and moved on to the result future before the handle's done callback ran.
+    probe = _probe()
+    first, second = _ManualFuture(), _ManualFuture()
+    probe._send(first)
+    first.complete("goal handle")
+    assert probe._poll() == "goal handle"
+    probe._send(second)
+    first.run_callbacks()
+    assert probe.late_answers == 0 and probe.undone == []
+
+
+@pytest.mark.parametrize("answered_before_halt", [False, True])
+def test_an_answer_to_a_halted_call_is_late_exactly_once(answered_before_halt):
+    probe = _probe()
+    future = _ManualFuture()
+    probe._send(future)
+    if answered_before_halt:
+        future.complete("accepted goal")
+    probe.terminate(Status.INVALID)
+    if not answered_before_halt:
+        future.complete("accepted goal")
+    future.run_callbacks()
+    assert probe.late_answers == 1 and probe.undone == ["accepted goal"]

@@ -51,6 +51,7 @@ class _Call(py_trees.behaviour.Behaviour):
         self.bb.register_key(error_key, access=Access.WRITE)
         self._future = None
         self._deadline = 0.0
+        self._abandoned: set = set()   # futures dropped unanswered: their answers are late
         self.late_answers = 0
 
     def setup(self, **kwargs: Any) -> None:
@@ -70,9 +71,27 @@ class _Call(py_trees.behaviour.Behaviour):
         future.add_done_callback(self._maybe_late)
 
     def _maybe_late(self, future) -> None:
-        if future is not self._future:
-            self.late_answers += 1
-            self.logger.debug(f"{self.name}: ignored an answer to an abandoned attempt")
+        # Only a future this behaviour dropped is late. "Not the current one" is not
+        # enough: done callbacks run on the executor's thread, possibly after update()
+        # has already taken the answer and moved on to the next future.
+        try:
+            self._abandoned.remove(future)   # atomic: this or _abandon() handles it, once
+        except KeyError:
+            return
+        self.late_answers += 1
+        self.logger.debug(f"{self.name}: ignored an answer to an abandoned attempt")
+        self._late(future)
+
+    def _late(self, future) -> None:
+        """A late answer arrived (hook for calls that must undo it)."""
+
+    def _abandon(self) -> None:
+        """Drop the call in flight; its answer, whenever it comes, is ignored."""
+        future, self._future = self._future, None
+        if future is not None:
+            self._abandoned.add(future)
+            if future.done():  # answered before we dropped it: its callback may have run already
+                self._maybe_late(future)
 
     def _fail(self, code: int, message: str) -> Status:
         name = {TIMEOUT: "TIMEOUT", NO_SERVER: "NO_SERVER"}.get(code) or ErrorCode(code).name
@@ -87,7 +106,7 @@ class _Call(py_trees.behaviour.Behaviour):
             return Status.FAILURE
         if not self._future.done():
             if time.monotonic() > self._deadline:
-                self._future = None
+                self._abandon()
                 return self._timed_out()
             return None
         result = self._future.result()
@@ -99,8 +118,8 @@ class _Call(py_trees.behaviour.Behaviour):
 
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID and self._future is not None:
-            self._future = None  # halted mid-call: whatever answer comes is ignored
             self.logger.debug(f"{self.name}: halted with a call in flight")
+            self._abandon()
 
 
 class _ServiceCall(_Call):
@@ -297,9 +316,8 @@ class Generate(_Call):
         self._cancel()
         return super()._timed_out()
 
-    def _maybe_late(self, future) -> None:
-        super()._maybe_late(future)
-        handle = future.result() if future is not self._future and not future.cancelled() else None
+    def _late(self, future) -> None:
+        handle = None if future.cancelled() or future.exception() is not None else future.result()
         if getattr(handle, "accepted", False) and hasattr(handle, "cancel_goal_async"):
             handle.cancel_goal_async()  # a goal accepted after its behaviour was halted must not run on
 
