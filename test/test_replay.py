@@ -55,6 +55,9 @@ def test_a_recorded_session_with_capsule_calls_replays_identically_and_tampering
 
 def test_the_committed_bag_replays_with_the_installed_command(tmp_path):
     assert COMMITTED.is_dir() and sum(f.stat().st_size for f in COMMITTED.iterdir()) < 1 << 20
+    # The whole attempt-with-rollback scenario, the plan's 8 tokens included.
+    kinds = [e.kind for e in read_bag(COMMITTED).entries]
+    assert kinds.count("decode") == 8 and {"prefill", "step", "snapshot", "rollback", "drop"} <= set(kinds)
     if not REPLAY.exists():
         pytest.skip("needs the colcon install space (make test builds it)")
     ok = subprocess.run([str(REPLAY), str(COMMITTED)], capture_output=True, text=True, timeout=120)
