@@ -63,6 +63,20 @@ class Harness:
         assert handle.accepted
         return handle, handle.get_result_async()
 
+    def policy_publishers(self, timeout: float = 10.0):
+        """Publishers on the node's ~/joint_states and ~/ee_pose, returned once the node's
+        subscriptions have matched them."""
+        from geometry_msgs.msg import PoseStamped
+        from sensor_msgs.msg import JointState
+
+        joints = self.client.create_publisher(JointState, f"/{self.node.get_name()}/joint_states", 50)
+        poses = self.client.create_publisher(PoseStamped, f"/{self.node.get_name()}/ee_pose", 10)
+        deadline = time.monotonic() + timeout
+        while joints.get_subscription_count() == 0 or poses.get_subscription_count() == 0:
+            assert time.monotonic() < deadline, "the node's policy subscriptions did not match"
+            time.sleep(0.01)
+        return joints, poses
+
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=5)
         self.node.destroy_node()

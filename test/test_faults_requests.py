@@ -198,10 +198,7 @@ def test_soak_and_budget_pressure_keep_memory_bounded_pins_and_the_replay_digest
             except Exception as exc:
                 failures.append(exc)
 
-        joints = h.client.create_publisher(type(_joint_state([0] * 7)), "/flashrt/joint_states", 50)
-        poses = h.client.create_publisher(type(_pose()), "/flashrt/ee_pose", 10)
-        while joints.get_subscription_count() == 0 or poses.get_subscription_count() == 0:
-            time.sleep(0.01)
+        joints, poses = h.policy_publishers()
         time.sleep(0.3)
         poses.publish(_pose())
         threads = [threading.Thread(target=client, args=(s,)) for s in range(3)] + [threading.Thread(target=generator)]

@@ -65,10 +65,7 @@ def test_storm_of_clients_equals_its_sequential_replay(ros_context):
 
         def policy() -> None:
             try:
-                joints = h.client.create_publisher(type(_joint_state([0] * 7)), "/flashrt/joint_states", 50)
-                poses = h.client.create_publisher(type(_pose()), "/flashrt/ee_pose", 10)
-                while joints.get_subscription_count() == 0 or poses.get_subscription_count() == 0:
-                    time.sleep(0.01)
+                joints, poses = h.policy_publishers()
                 time.sleep(0.2)
                 poses.publish(_pose())
                 time.sleep(0.2)

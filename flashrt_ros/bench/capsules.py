@@ -12,14 +12,12 @@
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
 
 from ..runtime import Engine, ModelConfig
-from .common import interleaved, machine, sync, timed, verdict
+from .common import add_ttft_prefixes, bench_main, interleaved, machine, sync, timed, verdict
 
 SUFFIX = 64
 
@@ -133,16 +131,11 @@ def run(device: str = "cpu", rounds: int = 5, prefixes: tuple[int, ...] = (2048,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--ttft", default="2048,4096,8192,16384", help="prefix lengths, comma-separated")
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
-    results = run(args.device, args.rounds, tuple(int(x) for x in args.ttft.split(",")))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    def options(parser) -> None:
+        parser.add_argument("--rounds", type=int, default=5)
+        add_ttft_prefixes(parser)
+
+    bench_main(__doc__, options, lambda a: run(a.device, a.rounds, a.ttft))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""Shared measuring tools: interleaved timing, medians, memcpy bandwidth, a PASS/MISS line."""
+"""Shared measuring tools: interleaved timing, medians, memcpy bandwidth, a PASS/MISS line,
+and the command line every benchmark module has."""
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import statistics
 import time
@@ -56,3 +59,24 @@ def verdict(name: str, value: float, target: float, higher_is_better: bool) -> d
     sign = ">=" if higher_is_better else "<="
     print(f"  {'PASS' if ok else 'MISS'}  {name}: {value:.3g} (target {sign} {target})")
     return {"name": name, "value": value, "target": target, "pass": ok}
+
+
+def bench_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+               run: Callable[[argparse.Namespace], dict], device: bool = True) -> None:
+    """``python -m flashrt_ros.bench.<module>``: the module's options, ``--device`` (unless
+    ``device`` is False) and ``--json`` (also write the results there)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if device:
+        parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_arguments(parser)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def add_ttft_prefixes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ttft", default="2048,4096,8192,16384", help="prefix lengths, comma-separated",
+                        type=lambda text: tuple(int(x) for x in text.split(",")))

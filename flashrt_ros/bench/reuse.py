@@ -11,9 +11,7 @@
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import tempfile
 import time
 
@@ -21,7 +19,7 @@ import torch
 
 from ..runtime import Engine, ModelConfig
 from ..runtime.weights import save_checkpoint, seeded_weights
-from .common import interleaved, machine, timed
+from .common import add_ttft_prefixes, bench_main, interleaved, machine, timed
 
 SUFFIX = 64
 
@@ -95,16 +93,11 @@ def run(prefixes: tuple[int, ...] = (2048, 4096, 8192, 16384), rounds: int = 2, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--ttft", default="2048,4096,8192,16384", help="prefix lengths, comma-separated")
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
-    results = run(tuple(int(x) for x in args.ttft.split(",")), args.rounds, args.device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    def options(parser) -> None:
+        parser.add_argument("--rounds", type=int, default=2)
+        add_ttft_prefixes(parser)
+
+    bench_main(__doc__, options, lambda a: run(a.ttft, a.rounds, a.device))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ Targets: p50 <= 0.5 ms, p99 <= 2 ms.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import signal
@@ -24,7 +22,7 @@ import sys
 import threading
 import time
 
-from .common import machine, verdict
+from .common import bench_main, machine, verdict
 
 TARGET_P50_MS, TARGET_P99_MS = 0.5, 2.0
 
@@ -220,14 +218,8 @@ def run(calls: int = 400) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=400)
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
-    results = run(args.calls)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    bench_main(__doc__, lambda parser: parser.add_argument("--calls", type=int, default=400),
+               lambda a: run(a.calls), device=False)
 
 
 if __name__ == "__main__":
