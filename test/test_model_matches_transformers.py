@@ -69,3 +69,48 @@ def test_stepwise_decode_logits_and_greedy_tokens_match_transformers(pair):
     assert ours_tokens == ref_tokens
     for step, ref in enumerate(out.logits):
         assert (ours_logits[step] - ref[0]).abs().max().item() < TOL, f"decode step {step}"
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def _partial_rope(x: torch.Tensor, positions: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
+    freqs = positions[:, None].double() / theta ** (torch.arange(0, rot, 2).double() / rot)
+    cos, sin = freqs.cos().float()[:, None], freqs.sin().float()[:, None]
+    a, b, rest = x[..., :rot // 2], x[..., rot // 2:rot], x[..., rot:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], -1)
+
+
+def test_mtp_kv_rows_are_the_mtp_layers_keys_and_values_from_the_reference_hidden_states(tmp_path):
+    """The MTP layer's K/V rows, written from the definition (HF key names, transformers'
+    final hidden states): row t pairs token t's embedding with the hidden state of t-1."""
+    from safetensors.torch import load_file
+
+    from flashrt_ros.runtime.weights import save_checkpoint, seeded_weights
+
+    cfg = ModelConfig.tiny(vocab_size=300)
+    save_checkpoint(tmp_path, cfg, seeded_weights(cfg, seed=5))
+    engine = Engine.from_pretrained(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine.prefill(ids)
+    ids += engine.generate(6)  # decode rows too
+
+    import transformers
+    transformers.logging.set_verbosity_error()
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]
+    w = load_file(tmp_path / "model.safetensors")
+    eps, hkv, d = cfg.rms_norm_eps, cfg.num_key_value_heads, cfg.head_dim
+    prev = torch.cat([torch.zeros(1, cfg.hidden_size), hidden[:-1]])
+    m = torch.cat([_rms(w["model.embed_tokens.weight"][ids], w["mtp.pre_fc_norm_embedding.weight"], eps),
+                   _rms(prev, w["mtp.pre_fc_norm_hidden.weight"], eps)], -1) @ w["mtp.fc.weight"].t()
+    h = _rms(m, w["mtp.layers.0.input_layernorm.weight"], eps)
+    a = "mtp.layers.0.self_attn."
+    k = _rms((h @ w[f"{a}k_proj.weight"].t()).view(-1, hkv, d), w[f"{a}k_norm.weight"], eps)
+    k = _partial_rope(k, torch.arange(len(ids)), cfg.rotary_dim, cfg.rope_theta)
+    v = (h @ w[f"{a}v_proj.weight"].t()).view(-1, hkv, d)
+    rows = engine.arena["mtp.kv"][:len(ids)]
+    assert (rows[:, 0] - k).abs().max() < 1e-4
+    assert (rows[:, 1] - v).abs().max() < 1e-4

@@ -130,6 +130,12 @@ class Qwen35:
         self.mtp: _Block | None = None
         if cfg.mtp_num_hidden_layers:
             self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast)
+            # A boundary needs only the MTP layer's K and V rows: its attention and MLP
+            # produce a draft, and nothing reads a draft until speculative decoding does.
+            # Their own [in, out] copy lets prefill and decode skip the query and gate columns.
+            a = "mtp.layers.0.self_attn."
+            self.mtp_kv_proj = cast.t(weights[f"{a}k_proj.weight"], weights[f"{a}v_proj.weight"])
+            self.mtp_k_norm = self.mtp.norm_a[cfg.num_attention_heads:]
             self.mtp_fc = cast.t(weights["mtp.fc.weight"])
             self.mtp_norm_embed = cast.one_plus(weights["mtp.pre_fc_norm_embedding.weight"])
             self.mtp_norm_hidden = cast.one_plus(weights["mtp.pre_fc_norm_hidden.weight"])
@@ -209,13 +215,22 @@ class Qwen35:
             x = self._block_forward(x, b, kv, positions, rope, span, decode)
         hidden = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
         if self.mtp is not None:
-            # MTP pairs token t's embedding with the hidden state of token t-1.
             prev = torch.cat([self.last_hidden[None], hidden[:-1]]) if not decode else self.last_hidden[None]
-            eps = self.cfg.rms_norm_eps
-            m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev, self.mtp_norm_hidden, eps)], -1)
-            self._block_forward(m @ self.mtp_fc, self.mtp, self.mtp_kv, positions, rope, span, decode)
+            self._write_mtp_kv(embeds, prev, positions, rope)
         self.last_hidden.copy_(hidden[-1])
         self.position.add_(embeds.shape[0])
+
+    def _write_mtp_kv(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """MTP K and V rows at ``positions``: the MTP layer pairs token t's embedding with
+        the hidden state of token t-1, exactly as its full forward would."""
+        cfg, n, eps = self.cfg, embeds.shape[0], self.cfg.rms_norm_eps
+        m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)], -1)
+        h = rms_norm(m @ self.mtp_fc, self.mtp.ln_in, eps)
+        k, v = (h @ self.mtp_kv_proj).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
+        k = apply_rope(rms_norm(k, self.mtp_k_norm, eps), *rope)
+        self.mtp_kv[:, 0].index_copy_(0, positions, k)
+        self.mtp_kv[:, 1].index_copy_(0, positions, v)
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [1, vocab], from the last hidden state alone."""
@@ -247,9 +262,10 @@ class Qwen35:
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""
         tensors = [self.lm_head, self.final_norm]
-        for b in self.blocks + ([self.mtp] if self.mtp is not None else []):
+        for b in self.blocks:
             tensors += [t for t in (b.ln_in, b.ln_post, b.gate_up, b.down, b.in_proj, b.out_proj, b.norm_a,
                                     b.conv) if t is not None]
         if self.mtp is not None:
-            tensors += [self.mtp_fc, self.mtp_norm_embed, self.mtp_norm_hidden]
+            tensors += [self.mtp_fc, self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in, self.mtp_kv_proj,
+                        self.mtp_k_norm]
         return sum(t.numel() * t.element_size() for t in tensors) + self.embed[0].numel() * self.embed.element_size()
