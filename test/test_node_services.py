@@ -1,6 +1,7 @@
 """The node over real rclpy and DDS: every service's success path and its refusals."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -243,3 +244,39 @@ def test_lifecycle_services_drive_the_node_as_a_lifecycle_manager_would(ros_cont
         assert h.node.engine is None
     finally:
         h.close()
+
+
+def test_capsule_services_have_their_own_thread_which_destroy_node_stops(ros_context):
+    """The six capsule services answer even when no executor spins the lifecycle node
+    (a lean helper node on its own thread serves them), and destroy_node stops that thread."""
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+
+    from flashrt_ros.ros.node import FlashRTNode
+    from ros_harness import SERVICES, _client_node
+
+    node = FlashRTNode("flashrt_lean", context=ros_context,
+                       parameter_overrides=[Parameter("max_seq_len", value=256), Parameter("status_rate", value=0.0)])
+    client = _client_node(ros_context)
+    executor = SingleThreadedExecutor(context=ros_context)
+    executor.add_node(client)  # the client only: nobody spins ``node``
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    try:
+        node.trigger_configure()
+        node.trigger_activate()
+        calls = {k: client.create_client(t, f"/flashrt_lean/{k}") for k, t in SERVICES.items()}
+        assert all(c.wait_for_service(timeout_sec=10) for c in calls.values())
+        snap = wait_future(calls["snapshot"].call_async(SERVICES["snapshot"].Request(name="lean")))
+        _ok(snap)
+        listed = wait_future(calls["list_capsules"].call_async(SERVICES["list_capsules"].Request()))
+        assert [c.name for c in listed.capsules] == ["lean"]
+        _refused(wait_future(calls["restore"].call_async(SERVICES["restore"].Request(capsule_id="nope"))),
+                 ErrorCode.UNKNOWN_CAPSULE)
+
+        node.destroy_node()
+        assert not any(t.name == "capsule-services" and t.is_alive() for t in threading.enumerate())
+    finally:
+        executor.shutdown(timeout_sec=5)
+        client.destroy_node()
+        spinner.join(5)

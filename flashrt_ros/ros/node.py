@@ -6,9 +6,10 @@ events and telemetry. Each operation runs while holding the engine lock, so
 the journal (when one is attached) lists operations in the order they were
 committed, even when many clients call at once.
 
-Callback groups: services share a reentrant group (the engine lock orders
-them), the generate action has its own, policy topics a mutually exclusive
-one (observations apply in arrival order), timers another.
+Callback groups: the generate action has its own, policy topics a mutually
+exclusive one (observations apply in arrival order), timers another. The six
+capsule services are served apart, by ``services.CapsuleServices`` on a
+thread of its own; the engine lock orders them against everything else.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from . import params
 from .convert import info_msg, outcome
 from .generation import run_generation
 from .observation import build_observation
+from .services import CapsuleServices
 from .telemetry import Latencies, diagnostics_msg, status_msg
 
 _STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
@@ -80,15 +82,13 @@ class FlashRTNode(LifecycleNode):
         self._digest = (-1, "")
         self._dirty = threading.Event()
 
-        services = ReentrantCallbackGroup()
         self._action_group = ReentrantCallbackGroup()
         policy = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
-        for srv, name, handler in ((Snapshot, "~/snapshot", self._snapshot), (Restore, "~/restore", self._restore),
-                                   (Fork, "~/fork", self._fork), (Rollback, "~/rollback", self._rollback),
-                                   (ListCapsules, "~/list_capsules", self._list),
-                                   (DropCapsule, "~/drop_capsule", self._drop)):
-            self.create_service(srv, name, handler, callback_group=services)
+        self._capsule_services = CapsuleServices(self, (
+            (Snapshot, "snapshot", self._snapshot), (Restore, "restore", self._restore), (Fork, "fork", self._fork),
+            (Rollback, "rollback", self._rollback), (ListCapsules, "list_capsules", self._list),
+            (DropCapsule, "drop_capsule", self._drop)))
         self._generate_server = ActionServer(
             self, Generate, "~/generate", self._execute_generate, goal_callback=lambda _: GoalResponse.ACCEPT,
             cancel_callback=lambda _: CancelResponse.ACCEPT, callback_group=self._action_group)
@@ -452,6 +452,9 @@ class FlashRTNode(LifecycleNode):
         server = getattr(self, "_generate_server", None)
         if server is not None:
             server.destroy()
+        services = getattr(self, "_capsule_services", None)
+        if services is not None:
+            services.stop()
         if hasattr(self, "_bag"):
             self._free()
         super().destroy_node()

@@ -1,0 +1,47 @@
+"""The capsule services, answered by a lean node on a thread of their own.
+
+A service's round trip pays for every entity the executor that serves it
+waits on: rclpy rebuilds its wait set in Python on each wake-up, and a
+multi-threaded executor adds a hand-off to a worker thread. The lifecycle
+node carries ~30 entities (lifecycle, parameter and action services, topics,
+timers) on a multi-threaded executor; these six services are served by a
+single-threaded executor over a node that holds only them. Their names stay
+under the lifecycle node's (``/flashrt/restore``), and the handlers are the
+lifecycle node's methods, so refusals and the engine lock work as before.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterable
+
+from rclpy._rclpy_pybind11 import RCLError
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
+
+
+class CapsuleServices:
+    def __init__(self, owner: Node, services: Iterable[tuple[Any, str, Callable[[Any, Any], Any]]]) -> None:
+        self.node = Node(f"{owner.get_name()}_capsule_services", namespace=owner.get_namespace(),
+                         context=owner.context, start_parameter_services=False)
+        base = owner.get_fully_qualified_name()
+        for srv, name, handler in services:
+            self.node.create_service(srv, f"{base}/{name}", handler)
+        self._executor = SingleThreadedExecutor(context=owner.context)
+        self._executor.add_node(self.node)
+        self._thread = threading.Thread(target=self._spin, name="capsule-services", daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        try:
+            self._executor.spin()
+        except ExternalShutdownException:
+            pass
+        except RCLError:
+            # A shutdown that lands between two waits shows up as an invalid context.
+            if self.node.context.ok():
+                raise
+
+    def stop(self) -> None:
+        self._executor.shutdown(timeout_sec=5)
+        self._thread.join(5)
+        self.node.destroy_node()
