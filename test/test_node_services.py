@@ -280,3 +280,40 @@ def test_capsule_services_have_their_own_thread_which_destroy_node_stops(ros_con
         executor.shutdown(timeout_sec=5)
         client.destroy_node()
         spinner.join(5)
+
+
+def test_a_process_wide_node_rename_names_the_services_helper_apart():
+    """launch renames a node with process-wide __node/__ns remaps; the helper that serves
+    the capsule services must not take the same name."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+
+    from flashrt_ros.ros.node import FlashRTNode
+    from ros_harness import SERVICES, _client_node
+
+    context = Context()
+    rclpy.init(context=context, args=["--ros-args", "-r", "__node:=brain", "-r", "__ns:=/arm"])
+    node = client = None
+    try:
+        node = FlashRTNode(context=context, parameter_overrides=[Parameter("max_seq_len", value=256)])
+        assert node.get_fully_qualified_name() == "/arm/brain"
+        helper = node._capsule_services.node
+        assert helper.get_fully_qualified_name() == "/arm/brain_capsule_services"
+        client = _client_node(context)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(client)
+        spinner = threading.Thread(target=executor.spin, daemon=True)
+        spinner.start()
+        restore = client.create_client(SERVICES["restore"], "/arm/brain/restore")
+        assert restore.wait_for_service(timeout_sec=10)
+        answer = wait_future(restore.call_async(SERVICES["restore"].Request(capsule_id="x")))
+        _refused(answer, ErrorCode.NOT_ACTIVE)
+        executor.shutdown(timeout_sec=5)
+        spinner.join(5)
+    finally:
+        for n in (node, client):
+            if n is not None:
+                n.destroy_node()
+        context.try_shutdown()

@@ -20,9 +20,16 @@ from rclpy.node import Node
 
 
 class CapsuleServices:
+    """``services``: (type, name under the owner, handler) triples; ``stop()`` ends them."""
+
     def __init__(self, owner: Node, services: Iterable[tuple[Any, str, Callable[[Any, Any], Any]]]) -> None:
-        self.node = Node(f"{owner.get_name()}_capsule_services", namespace=owner.get_namespace(),
-                         context=owner.context, start_parameter_services=False)
+        name = f"{owner.get_name()}_capsule_services"
+        # Launch renames a node with process-wide __node/__ns remaps, which would give
+        # this helper the owner's name too; its own remaps come first in rcl's lookup.
+        # Other remaps (of service names) still apply to it.
+        self.node = Node(name, namespace=owner.get_namespace(), context=owner.context,
+                         start_parameter_services=False,
+                         cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={owner.get_namespace()}"])
         base = owner.get_fully_qualified_name()
         for srv, name, handler in services:
             self.node.create_service(srv, f"{base}/{name}", handler)
