@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any
 
 from rclpy.action import ActionClient
@@ -88,3 +89,21 @@ def _client_node(context):
     import rclpy
 
     return rclpy.create_node(f"flashrt_test_client_{int(time.monotonic_ns() % 1_000_000)}", context=context)
+
+
+@contextmanager
+def spun_client(context):
+    """A client node spun alone by a single-threaded executor on a thread; torn down on exit."""
+    from rclpy.executors import SingleThreadedExecutor
+
+    client = _client_node(context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(client)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    try:
+        yield client
+    finally:
+        executor.shutdown(timeout_sec=5)
+        spinner.join(5)
+        client.destroy_node()

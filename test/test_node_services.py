@@ -1,7 +1,6 @@
 """The node over real rclpy and DDS: every service's success path and its refusals."""
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -249,37 +248,29 @@ def test_lifecycle_services_drive_the_node_as_a_lifecycle_manager_would(ros_cont
 def test_capsule_services_have_their_own_thread_which_destroy_node_stops(ros_context):
     """The six capsule services answer even when no executor spins the lifecycle node
     (a lean helper node on its own thread serves them), and destroy_node stops that thread."""
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
 
     from flashrt_ros.ros.node import FlashRTNode
-    from ros_harness import SERVICES, _client_node
+    from ros_harness import SERVICES, spun_client
 
     node = FlashRTNode("flashrt_lean", context=ros_context,
                        parameter_overrides=[Parameter("max_seq_len", value=256), Parameter("status_rate", value=0.0)])
-    client = _client_node(ros_context)
-    executor = SingleThreadedExecutor(context=ros_context)
-    executor.add_node(client)  # the client only: nobody spins ``node``
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
-    try:
-        node.trigger_configure()
-        node.trigger_activate()
-        calls = {k: client.create_client(t, f"/flashrt_lean/{k}") for k, t in SERVICES.items()}
-        assert all(c.wait_for_service(timeout_sec=10) for c in calls.values())
-        snap = wait_future(calls["snapshot"].call_async(SERVICES["snapshot"].Request(name="lean")))
-        _ok(snap)
-        listed = wait_future(calls["list_capsules"].call_async(SERVICES["list_capsules"].Request()))
-        assert [c.name for c in listed.capsules] == ["lean"]
-        _refused(wait_future(calls["restore"].call_async(SERVICES["restore"].Request(capsule_id="nope"))),
-                 ErrorCode.UNKNOWN_CAPSULE)
-
-        node.destroy_node()
-        assert not any(t.name == "capsule-services" and t.is_alive() for t in threading.enumerate())
-    finally:
-        executor.shutdown(timeout_sec=5)
-        client.destroy_node()
-        spinner.join(5)
+    services = node._capsule_services
+    with spun_client(ros_context) as client:  # nobody spins ``node``
+        try:
+            node.trigger_configure()
+            node.trigger_activate()
+            calls = {k: client.create_client(t, f"/flashrt_lean/{k}") for k, t in SERVICES.items()}
+            assert all(c.wait_for_service(timeout_sec=10) for c in calls.values())
+            _ok(wait_future(calls["snapshot"].call_async(SERVICES["snapshot"].Request(name="lean"))))
+            listed = wait_future(calls["list_capsules"].call_async(SERVICES["list_capsules"].Request()))
+            assert [c.name for c in listed.capsules] == ["lean"]
+            _refused(wait_future(calls["restore"].call_async(SERVICES["restore"].Request(capsule_id="nope"))),
+                     ErrorCode.UNKNOWN_CAPSULE)
+            assert services.alive
+        finally:
+            node.destroy_node()
+    assert not services.alive
 
 
 def test_a_process_wide_node_rename_names_the_services_helper_apart():
@@ -287,33 +278,24 @@ def test_a_process_wide_node_rename_names_the_services_helper_apart():
     the capsule services must not take the same name."""
     import rclpy
     from rclpy.context import Context
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
 
     from flashrt_ros.ros.node import FlashRTNode
-    from ros_harness import SERVICES, _client_node
+    from ros_harness import SERVICES, spun_client
 
     context = Context()
     rclpy.init(context=context, args=["--ros-args", "-r", "__node:=brain", "-r", "__ns:=/arm"])
-    node = client = None
+    node = None
     try:
         node = FlashRTNode(context=context, parameter_overrides=[Parameter("max_seq_len", value=256)])
         assert node.get_fully_qualified_name() == "/arm/brain"
-        helper = node._capsule_services.node
-        assert helper.get_fully_qualified_name() == "/arm/brain_capsule_services"
-        client = _client_node(context)
-        executor = SingleThreadedExecutor(context=context)
-        executor.add_node(client)
-        spinner = threading.Thread(target=executor.spin, daemon=True)
-        spinner.start()
-        restore = client.create_client(SERVICES["restore"], "/arm/brain/restore")
-        assert restore.wait_for_service(timeout_sec=10)
-        answer = wait_future(restore.call_async(SERVICES["restore"].Request(capsule_id="x")))
-        _refused(answer, ErrorCode.NOT_ACTIVE)
-        executor.shutdown(timeout_sec=5)
-        spinner.join(5)
+        assert node._capsule_services.node.get_fully_qualified_name() == "/arm/brain_capsule_services"
+        with spun_client(context) as client:
+            restore = client.create_client(SERVICES["restore"], "/arm/brain/restore")
+            assert restore.wait_for_service(timeout_sec=10)
+            answer = wait_future(restore.call_async(SERVICES["restore"].Request(capsule_id="x")))
+            _refused(answer, ErrorCode.NOT_ACTIVE)
     finally:
-        for n in (node, client):
-            if n is not None:
-                n.destroy_node()
+        if node is not None:
+            node.destroy_node()
         context.try_shutdown()

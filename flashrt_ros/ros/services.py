@@ -48,6 +48,11 @@ class CapsuleServices:
             if self.node.context.ok():
                 raise
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread that serves the services is running."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._executor.shutdown(timeout_sec=5)
         self._thread.join(5)
