@@ -8,8 +8,9 @@ response carries ``latency_ms``, the time the engine spent (lock wait
 included), so round trip - latency_ms is what ROS, DDS, the executor and the
 adapter cost. The same is measured with node and client in one process, to
 separate the transport from the process hop. A bare rclpy std_srvs/Trigger
-server (empty callback, same executor kind) is measured alongside: it is the
-floor that rclpy and DDS set on this machine, whatever the node does.
+server (empty callback, a single-threaded executor like the one that serves
+the capsule services) is measured alongside: it is the floor that rclpy and
+DDS set on this machine, whatever the node does.
 Targets: p50 <= 0.5 ms, p99 <= 2 ms.
 """
 from __future__ import annotations
@@ -79,15 +80,16 @@ def _measure(client_node, calls: int) -> dict[str, dict[str, float]]:
             for kind, series in samples.items()}
 
 
-# A server that does nothing: what rclpy + DDS cost for one call on this machine.
+# A server that does nothing: what rclpy + DDS cost for one call on this machine, with
+# the executor kind that serves the capsule services (ros/services.py).
 _BARE_SERVER = """
 import rclpy
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from std_srvs.srv import Trigger
 rclpy.init()
 node = rclpy.create_node("bare_trigger")
 node.create_service(Trigger, "/bare_trigger", lambda request, response: response)
-executor = MultiThreadedExecutor(num_threads=4)
+executor = SingleThreadedExecutor()
 executor.add_node(node)
 try:
     executor.spin()
