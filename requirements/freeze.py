@@ -94,7 +94,7 @@ def read_pins(path: Path) -> dict[str, str]:
             line = line.split("#", 1)[0].strip()
             if "==" in line:
                 name, version = line.split("==", 1)
-                pins[canonical(name)] = version.strip()
+                pins[canonical(name.split("[", 1)[0])] = version.strip()
     return pins
 
 
@@ -115,11 +115,7 @@ def inputs_digest(distro: str) -> str:
 def top_level_pins(distro: str) -> dict[str, str]:
     pins: dict[str, str] = {}
     for name in (*TOP_LEVEL, f"ros-{distro}.txt"):
-        for line in (HERE / name).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if "==" in line:
-                req, version = line.split("==", 1)
-                pins[canonical(req.split("[", 1)[0])] = version.strip()
+        pins.update(read_pins(HERE / name))
     return pins
 
 
