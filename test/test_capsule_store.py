@@ -43,6 +43,24 @@ def test_spill_moves_the_least_recently_used_capsule_down_a_tier(tmp_path):
     assert second.id and third.id
 
 
+def test_a_restored_then_spilled_capsule_restores_its_own_bytes_not_the_reused_pool_memory(tmp_path):
+    engine, _ = _engine(tmp_path, spill=True)
+
+    def fresh(k: int):
+        engine.reset()
+        engine.prefill([(t + 7 * k) % 100 for t in range(50)])   # same size, different bytes
+        return engine.snapshot(f"c{k}")
+    first = fresh(0)
+    want = engine.capsules.get(first.id).digest
+    engine.restore(first)             # its copy plan now points into the device pool
+    for k in (1, 2):
+        fresh(k)                      # the pool is full: first moves to host, its pool bytes are reused
+    assert engine.capsules.get(first.id).tier == "host"
+    engine.reset()
+    engine.restore(first)
+    assert engine.state_digest() == want
+
+
 def test_without_spill_a_full_tier_refuses_and_keeps_every_capsule(tmp_path):
     engine, events = _engine(tmp_path, spill=False)
     _fresh_snapshot(engine, "a")

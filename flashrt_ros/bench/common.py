@@ -29,11 +29,14 @@ def sync(device: torch.device) -> None:
 
 
 def interleaved(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Median of each timing function, called in turn A, B, A, B... so that drift on
-    a shared machine hits every contender alike."""
+    """Median of each timing function, called in turn A, B, C, then B, C, A... so that drift
+    on a shared machine hits every contender alike, and each one runs after each of the
+    others equally often (what ran just before, e.g. a digest on the other core or a cache
+    that a big copy emptied, changes a sub-millisecond timing)."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(rounds):
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:
             samples[name].append(fn())
     return {name: statistics.median(vals) for name, vals in samples.items()}
 

@@ -80,7 +80,7 @@ class Piece:
 class Record:
     """A capsule inside the store: its info, where its bytes are, and its boundary log."""
 
-    __slots__ = ("info", "pieces", "log", "last_used", "hashed", "path", "job")
+    __slots__ = ("info", "_pieces", "log", "last_used", "hashed", "path", "job", "_plan")
 
     def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
         self.info, self.pieces, self.log, self.path = info, pieces, log_runs, path
@@ -88,8 +88,50 @@ class Record:
         self.hashed = threading.Event()
         self.job = None
 
+    @property
+    def pieces(self) -> list[Piece]:
+        return self._pieces
+
+    @pieces.setter
+    def pieces(self, pieces: list[Piece]) -> None:
+        # The plan's views would keep the old chunks' memory alive (a spilled capsule's host buffer).
+        self._pieces, self._plan = pieces, None
+
     def pieces_in(self, start: int, end: int) -> list[Piece]:
         return _slice(self.pieces, start, end)
+
+    def restore_plan(self, buffer: torch.Tensor, fixed_bytes: int) -> "RestorePlan":
+        """The copies of a full restore into ``buffer``, sliced once and reused: a capsule is
+        usually restored many times (a checkpoint the robot keeps returning to)."""
+        if self._plan is None or self._plan.buffer is not buffer:
+            self._plan = RestorePlan(self.pieces, buffer, fixed_bytes)
+        return self._plan
+
+
+class RestorePlan:
+    """Arena views and capsule views paired up, so a restore is one batched copy."""
+
+    __slots__ = ("buffer", "arena", "capsule", "same_device", "fixed", "fixed_owner")
+
+    def __init__(self, pieces: list[Piece], buffer: torch.Tensor, fixed_bytes: int) -> None:
+        self.buffer = buffer
+        self.arena = [buffer[p.start:p.end] for p in pieces]
+        self.capsule = [p.view() for p in pieces]
+        self.same_device = all(c.device == buffer.device for c in self.capsule)
+        fixed = _slice(pieces, 0, fixed_bytes)
+        if len(fixed) == 1:
+            self.fixed, self.fixed_owner = fixed[0].view(), fixed[0].chunk
+        else:
+            self.fixed, self.fixed_owner = torch.cat([p.view() for p in fixed]), None
+
+    def run(self) -> None:
+        if self.same_device:
+            # One dispatch for every piece: on small states the per-copy Python cost is
+            # what separates a restore from a plain copy of the same bytes.
+            torch._foreach_copy_(self.arena, self.capsule, non_blocking=True)
+        else:
+            for dst, src in zip(self.arena, self.capsule):
+                dst.copy_(src, non_blocking=True)
 
 
 def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
@@ -206,8 +248,12 @@ class CapsuleStore:
             need = sum(e - s for s, e in ranges)
             chunk = self._allocate(tier, need)
             pieces = _pieces_over(chunk, ranges)
-            for p in pieces:
-                p.view().copy_(buffer[p.start:p.end], non_blocking=True)
+            if chunk.data.device == buffer.device:
+                # One dispatch that lays every range end to end in the chunk (see RestorePlan.run).
+                torch.cat([buffer[s:e] for s, e in ranges], out=chunk.data)
+            else:
+                for p in pieces:
+                    p.view().copy_(buffer[p.start:p.end], non_blocking=True)
             pieces = sorted(shared + pieces, key=lambda p: p.start)
             record = self._register(pieces, position, name, tier, pin, parent, need, log_runs)
         self._emit("snapshot", record.info)
@@ -266,6 +312,11 @@ class CapsuleStore:
         ``before_free`` hook hears about the chunk before its memory is reused.
         """
         with self._lock:
+            if groups is None and record.info.tier != "disk":
+                plan = record.restore_plan(buffer, self.layout.fixed_bytes)
+                plan.run()
+                record.last_used = time.monotonic()
+                return plan.fixed, plan.fixed_owner
             if record.info.tier == "disk":
                 data, ranges = self._read_disk(record)
                 pieces = _pieces_over(Chunk("disk", data), ranges)
