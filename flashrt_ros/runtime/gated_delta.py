@@ -56,6 +56,15 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return torch.matmul(q.view(hk, 1, 1, dk), s).view(1, hv, dv)
 
 
+def _chunk_major(t: torch.Tensor, m: int, chunk: int, heads: int) -> torch.Tensor:
+    """[m * chunk, h, d] -> contiguous [m, heads, chunk, d] in one copy; with h < heads each
+    key head is repeated for the value heads that share it. Contiguous so that none of
+    the batched products below copies its operands again."""
+    h, d = t.shape[1], t.shape[2]
+    t = t.reshape(m, chunk, h, 1, d).permute(0, 2, 3, 1, 4).expand(m, h, heads // h, chunk, d)
+    return t.reshape(m, heads, chunk, d)
+
+
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """A run of n tokens; updates ``state`` in place and returns o [n, H, dv].
@@ -67,47 +76,43 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     after the chunk is exp(G_C) S0 + (K exp(G_C - G))^T D.
     """
     heads = v.shape[1]
-    if k.shape[1] != heads:
-        q, k = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (q, k))
-    n, dk, dv = k.shape[0], k.shape[2], v.shape[2]
+    n, dv = k.shape[0], v.shape[2]
     pad = (-n) % chunk
     if pad:
         # Zero beta and zero decay make padded tokens exact no-ops.
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
         g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
     m = (n + pad) // chunk
-    # [H, m, C, d] so that each (head, chunk) is one batch entry of the matmuls.
-    q, k, v = (t.reshape(m, chunk, heads, -1).permute(2, 0, 1, 3) for t in (q, k, v))
-    g, beta = (t.reshape(m, chunk, heads).permute(2, 0, 1) for t in (g, beta))
+    # [m, H, C, d]: each (chunk, head) is one batch entry, and chunk c is one contiguous block.
+    q, k, v = (_chunk_major(t, m, chunk, heads) for t in (q, k, v))
+    g, beta = (t.reshape(m, chunk, heads).transpose(1, 2) for t in (g, beta))
 
     cum = g.cumsum(-1)                                   # G_i
     diff = cum[..., :, None] - cum[..., None, :]         # G_i - G_j
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = _decay(diff.masked_fill(~lower, float("-inf")))  # exp(G_i - G_j) for j <= i, else 0
 
-    kk = k @ k.transpose(-1, -2)
-    a = (beta[..., None] * kk * decay).tril(-1)
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    system = eye + a
-    rhs_v = beta[..., None] * v
+    k_t = k.transpose(-1, -2)
+    system = (k @ k_t).mul_(decay).mul_(beta[..., None]).tril_(-1)
+    system.diagonal(dim1=-2, dim2=-1).fill_(1.0)         # I + A
     cum_decay = _decay(cum)
-    rhs_k = (beta * cum_decay)[..., None] * k
-    u = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k * (beta * cum_decay)[..., None], upper=False, unitriangular=True)
 
-    qk = (q @ k.transpose(-1, -2)) * decay
+    qk = (q @ k_t).mul_(decay)
     q_decayed = q * cum_decay[..., None]
-    k_to_end = k * _decay(cum[..., -1:] - cum)[..., None]
-    chunk_decay = cum_decay[..., -1]                     # [H, m]
+    k_to_end_t = (k * _decay(cum[..., -1:] - cum)[..., None]).transpose(-1, -2)
+    chunk_decay = cum_decay[..., -1, None, None]         # [m, H, 1, 1]
 
-    out = torch.empty(heads, m, chunk, dv, dtype=q.dtype, device=q.device)
+    # The only sequential part: three fused products per chunk (D, the output, the state).
+    out = torch.empty(m, heads, chunk, dv, dtype=q.dtype, device=q.device)
     s = state
     for c in range(m):
-        d = u[:, c] - w[:, c] @ s
-        out[:, c] = q_decayed[:, c] @ s + qk[:, c] @ d
-        s = s * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ d
+        d = torch.baddbmm(u[c], w[c], s, alpha=-1.0)
+        torch.baddbmm(torch.bmm(q_decayed[c], s), qk[c], d, out=out[c])
+        s = torch.baddbmm(s * chunk_decay[c], k_to_end_t[c], d)
     state.copy_(s)
-    return out.permute(1, 2, 0, 3).reshape(m * chunk, heads, dv)[:n]
+    return out.transpose(1, 2).reshape(m * chunk, heads, dv)[:n]
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
