@@ -69,3 +69,19 @@ def test_kv_only_restore_diverges_because_recurrent_state_carries_meaning(tiny_e
     assert tiny_engine.generate(64) != reference
     tiny_engine.restore(capsule)  # the full restore still works afterwards
     assert tiny_engine.generate(64) == reference
+
+
+def test_an_engine_built_inside_inference_mode_snapshots_restores_forks_and_rolls_back():
+    # Its arena and capsule pool are inference tensors, which refuse in-place writes
+    # outside inference mode: every capsule operation must run inside it.
+    with torch.inference_mode():
+        engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    engine.prefill(PROMPT)
+    capsule = engine.snapshot()
+    first = engine.generate(8)
+    branch = engine.fork(capsule)
+    engine.rollback(steps=3)
+    engine.restore(capsule, regions=["kv"])
+    engine.restore(branch, verify=True)
+    assert engine.state_digest() == engine.capsules.get(capsule.id).digest
+    assert engine.generate(8) == first

@@ -291,7 +291,9 @@ class Engine:
         from (the last one restored or taken) are referenced, not copied. The
         digest is computed in the background; ``capsules.get(id)`` waits for it.
         """
-        with self._lock:  # copies only: no inference mode or thread settings to pay for
+        # Copies only: no thread settings to pay for. Inference mode still, since an
+        # engine built inside it holds inference tensors, which refuse in-place writes outside it.
+        with self._lock, torch.inference_mode():
             record = self.capsules.capture(
                 self.arena.buffer, self._position, name=name, tier=tier, pin=pin,
                 parent=self._base[0].info.id if self._base else "", base=self._base, log_runs=self._log.snapshot())
@@ -321,7 +323,9 @@ class Engine:
         sets the position: it exists for ablations, to show what a KV-only restore
         loses on a hybrid model; the result is not a state any run produced.
         """
-        with self._lock:  # copies only: no inference mode or thread settings to pay for
+        # Copies only: no thread settings to pay for. Inference mode still, since an
+        # engine built inside it holds inference tensors, which refuse in-place writes outside it.
+        with self._lock, torch.inference_mode():
             if isinstance(capsule, CapsuleInfo):  # possibly another engine's: check before looking it up
                 self.capsules.check_compatible(capsule)
             record = self.capsules.resolve(capsule)
