@@ -68,13 +68,19 @@ class Engine:
         self._flush_denormal = bool(opts["flush_denormal"]) and self.device.type == "cpu"
         self._decode_threads = int(opts["decode_threads"]) if self.device.type == "cpu" else 0
         self._lock = FairRLock()
+        # Everything built here is a normal tensor even when the caller is inside
+        # torch.inference_mode(): the capsule calls and the digest thread write into the
+        # arena, the pool and the rollback ring outside it, which inference tensors refuse.
+        with torch.inference_mode(False):
+            self._build(cfg, weights, opts)
 
+    def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
-        self.model = Qwen35(cfg, weights, self.device, dtype, max_seq_len)
-        self.model_fingerprint = weights_io.fingerprint(cfg, {n: t.to(dtype) if t.is_floating_point() else t
+        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len)
+        self.model_fingerprint = weights_io.fingerprint(cfg, {n: t.to(self.dtype) if t.is_floating_point() else t
                                                               for n, t in weights.items()})
         # 3. allocate the arena (one allocation) and hand the model its views
-        self.arena = StateArena(state_specs(cfg, max_seq_len, dtype), self.device)
+        self.arena = StateArena(state_specs(cfg, self.max_seq_len, self.dtype), self.device)
         self.model.bind(self.arena)
         self.layout_fingerprint = self.arena.layout_fingerprint()
         self._position = 0
@@ -291,9 +297,7 @@ class Engine:
         from (the last one restored or taken) are referenced, not copied. The
         digest is computed in the background; ``capsules.get(id)`` waits for it.
         """
-        # Copies only: no thread settings to pay for. Inference mode still, since an
-        # engine built inside it holds inference tensors, which refuse in-place writes outside it.
-        with self._lock, torch.inference_mode():
+        with self._lock:  # copies only: no inference mode or thread settings to pay for
             record = self.capsules.capture(
                 self.arena.buffer, self._position, name=name, tier=tier, pin=pin,
                 parent=self._base[0].info.id if self._base else "", base=self._base, log_runs=self._log.snapshot())
@@ -323,9 +327,7 @@ class Engine:
         sets the position: it exists for ablations, to show what a KV-only restore
         loses on a hybrid model; the result is not a state any run produced.
         """
-        # Copies only: no thread settings to pay for. Inference mode still, since an
-        # engine built inside it holds inference tensors, which refuse in-place writes outside it.
-        with self._lock, torch.inference_mode():
+        with self._lock:  # copies only: no inference mode or thread settings to pay for
             if isinstance(capsule, CapsuleInfo):  # possibly another engine's: check before looking it up
                 self.capsules.check_compatible(capsule)
             record = self.capsules.resolve(capsule)

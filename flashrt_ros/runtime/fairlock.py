@@ -24,10 +24,13 @@ class FairRLock:
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         me = threading.get_ident()
+        if self._owner == me:
+            # Only the owner sets the owner to itself or changes the depth, so re-entry needs
+            # no internal lock (a capsule call re-enters two or three times; each internal
+            # lock round costs microseconds when the code is cold).
+            self._depth += 1
+            return True
         with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return True
             if self._owner is None and not self._queue:
                 self._owner, self._depth = me, 1
                 return True
@@ -47,14 +50,16 @@ class FairRLock:
             return True
 
     def release(self) -> None:
-        with self._cond:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("cannot release a FairRLock this thread does not hold")
+        if self._owner != threading.get_ident():
+            raise RuntimeError("cannot release a FairRLock this thread does not hold")
+        if self._depth > 1:   # an inner release: the lock stays ours (see acquire)
             self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                if self._queue:
-                    self._cond.notify_all()
+            return
+        with self._cond:
+            self._depth = 0
+            self._owner = None
+            if self._queue:
+                self._cond.notify_all()
 
     def held_by_me(self) -> bool:
         return self._owner == threading.get_ident()

@@ -97,8 +97,8 @@ class RollbackRing:
                 entry.owner = None
 
     def clear(self) -> None:
-        while self.entries:
-            self._drop(self.entries.pop())
+        self._free.extend(entry.slot for entry in self.entries if entry.slot >= 0)
+        self.entries.clear()
 
     def back(self, steps: int) -> _Entry:
         """Forget the newest ``steps`` boundaries and return the one that is now newest."""
