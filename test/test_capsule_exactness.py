@@ -1,6 +1,7 @@
 """Capsules restore the whole state byte for byte, and generation continues token for token."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashrt_ros.runtime import Engine, ModelConfig
@@ -23,6 +24,27 @@ def test_restore_brings_back_every_region_byte_for_byte(tiny_engine):
     tiny_engine.restore(capsule)
     assert _region_bytes(tiny_engine) == before
     assert tiny_engine.state_digest() == digest == tiny_engine.capsules.get(capsule.id).digest
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_returning_to_a_checkpoint_rewrites_every_row_changed_since(tier, tmp_path):
+    # A return copies only the rows written since the checkpoint. After a rollback below
+    # it and a different continuation, those include rows the checkpoint holds itself.
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path)
+    engine.prefill(PROMPT)
+    engine.generate(6)
+    checkpoint = engine.snapshot(tier=tier)
+    before = _region_bytes(engine)
+    first = engine.generate(12)
+    engine.restore(checkpoint)                     # back from a descendant
+    assert _region_bytes(engine) == before
+    engine.rollback(to_position=checkpoint.position - 5)
+    engine.prefill(list(b"other words"))           # rows below the checkpoint now differ
+    engine.restore(checkpoint)
+    assert _region_bytes(engine) == before
+    assert engine.generate(12) == first
+    engine.restore(checkpoint, verify=True)
+    assert engine.state_digest() == engine.capsules.get(checkpoint.id).digest
 
 
 def test_continuation_after_restore_is_token_identical_despite_unrelated_work(tiny_engine):

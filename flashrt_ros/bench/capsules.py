@@ -4,6 +4,9 @@
 
 1. snapshot and restore time / one plain tensor copy of the same number of
    bytes on the same device, across state sizes (target <= 1.3 from 1 MiB);
+   without a target, a return (a restore of the capsule the live state
+   descends from, which copies the fixed-size state and the rows written since)
+   over the same plain copy of the whole state;
 2. TTFT through a capsule (restore a P-token prefix, prefill a 64-token
    suffix, first token) vs a cold prefill of the P + 64 tokens, on
    ``ModelConfig.bench()`` (targets: the paper's 3.9x at 2k and 27x at 16k;
@@ -44,16 +47,23 @@ def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]
             return t
 
         def restore() -> float:
+            engine._base = None  # a full restore: the live state shares no rows with the capsule
+            return timed(lambda: engine.restore(held), dev)
+
+        def back() -> float:
+            engine.restore(held)  # the live state now descends from held (as after work built on it)
             return timed(lambda: engine.restore(held), dev)
 
         # Sub-millisecond timings on a shared machine: many more rounds than the TTFT section.
-        t = interleaved({"snapshot": snap, "restore": restore, "copy": lambda: timed(lambda: dst.copy_(src), dev)},
-                        rounds * 8)
+        t = interleaved({"snapshot": snap, "restore": restore, "back": back,
+                         "copy": lambda: timed(lambda: dst.copy_(src), dev)}, rounds * 8)
         engine.capsules.drop(held)
         rows.append({"position": position, "bytes": nbytes, "copy_ms": t["copy"] * 1e3,
-                     "snapshot_ratio": t["snapshot"] / t["copy"], "restore_ratio": t["restore"] / t["copy"]})
+                     "snapshot_ratio": t["snapshot"] / t["copy"], "restore_ratio": t["restore"] / t["copy"],
+                     "return_ratio": t["back"] / t["copy"]})
         print(f"  {nbytes / 2**20:8.2f} MiB (pos {position:5d}): copy {t['copy'] * 1e3:7.3f} ms   "
-              f"snapshot x{rows[-1]['snapshot_ratio']:.2f}   restore x{rows[-1]['restore_ratio']:.2f}")
+              f"snapshot x{rows[-1]['snapshot_ratio']:.2f}   restore x{rows[-1]['restore_ratio']:.2f}   "
+              f"return x{rows[-1]['return_ratio']:.2f}")
     return rows
 
 
@@ -74,6 +84,7 @@ def ttft(engine: Engine, prefixes: list[int], rounds: int) -> list[dict]:
             return timed(lambda: (engine.prefill(torch.cat([prompt, suffix])), engine.generate(1)), dev)
 
         def warm() -> float:
+            engine.reset()  # a fresh state: the restore copies the whole prefix (a return would not)
             return timed(lambda: (engine.restore(capsule), engine.prefill(suffix), engine.generate(1)), dev)
 
         t = interleaved({"cold": cold, "capsule": warm}, max(1, rounds // 2))
@@ -108,7 +119,7 @@ def run(device: str = "cpu", rounds: int = 5, prefixes: tuple[int, ...] = (2048,
     engine = Engine.from_config(ModelConfig.bench(), device=dev, max_seq_len=max(prefixes) + SUFFIX + 64,
                                 budgets={"device": 2 << 30})
     print(f"capsule benchmark on {machine()}; ModelConfig.bench(), fp32")
-    print("1. snapshot / restore vs one plain copy of the same bytes")
+    print("1. snapshot / restore vs one plain copy of the same bytes; a return (no target) vs the same copy")
     copies = copy_ratios(engine, [p for p in (16, 256, 1024, 4096, 16384) if p <= max(prefixes)], rounds)
     print("2. time to first token: capsule vs cold prefill")
     firsts = ttft(engine, list(prefixes), rounds)

@@ -23,6 +23,8 @@ def copies(rows: list[dict], path: Path, machine: str) -> Path:
     mib = [r["bytes"] / 2**20 for r in rows]
     ax.plot(mib, [r["snapshot_ratio"] for r in rows], "o-", label="snapshot / plain copy")
     ax.plot(mib, [r["restore_ratio"] for r in rows], "s-", label="restore / plain copy")
+    if all("return_ratio" in r for r in rows):
+        ax.plot(mib, [r["return_ratio"] for r in rows], "^:", label="return to a capsule the state descends from")
     ax.axhline(1.3, color="red", linestyle="--", linewidth=1, label="target 1.3 (from 1 MiB)")
     ax.set_xscale("log")
     ax.set_xlabel("live state (MiB)")

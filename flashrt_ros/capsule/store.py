@@ -80,7 +80,7 @@ class Piece:
 class Record:
     """A capsule inside the store: its info, where its bytes are, and its boundary log."""
 
-    __slots__ = ("info", "_pieces", "log", "last_used", "hashed", "path", "job", "_plan")
+    __slots__ = ("info", "_pieces", "log", "last_used", "hashed", "path", "job", "_plans")
 
     def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
         self.info, self.pieces, self.log, self.path = info, pieces, log_runs, path
@@ -94,18 +94,25 @@ class Record:
 
     @pieces.setter
     def pieces(self, pieces: list[Piece]) -> None:
-        # The plan's views would keep the old chunks' memory alive (a spilled capsule's host buffer).
-        self._pieces, self._plan = pieces, None
+        # The plans' views would keep the old chunks' memory alive (a spilled capsule's host buffer).
+        self._pieces, self._plans = pieces, {}
 
     def pieces_in(self, start: int, end: int) -> list[Piece]:
         return _slice(self.pieces, start, end)
 
-    def restore_plan(self, buffer: torch.Tensor, fixed_bytes: int) -> "RestorePlan":
-        """The copies of a full restore into ``buffer``, sliced once and reused: a capsule is
-        usually restored many times (a checkpoint the robot keeps returning to)."""
-        if self._plan is None or self._plan.buffer is not buffer:
-            self._plan = RestorePlan(self.pieces, buffer, fixed_bytes)
-        return self._plan
+    def restore_plan(self, buffer: torch.Tensor, layout: Layout, keep_rows: int) -> "RestorePlan":
+        """The copies that restore this capsule into ``buffer`` when its per-token rows
+        [0:keep_rows] are there already. Sliced once and reused for the two cases that
+        repeat: a full restore, and a return from a state that descends from this capsule
+        (a checkpoint the robot keeps going back to)."""
+        keep = min(keep_rows, self.info.position)
+        plan = self._plans.get(keep)
+        if plan is None or plan.buffer is not buffer:
+            ranges = layout.ranges(self.info.position, keep)
+            plan = RestorePlan(self.pieces, ranges, buffer, layout.fixed_bytes)
+            if keep in (0, self.info.position):
+                self._plans[keep] = plan
+        return plan
 
 
 class RestorePlan:
@@ -113,10 +120,12 @@ class RestorePlan:
 
     __slots__ = ("buffer", "arena", "capsule", "same_device", "fixed", "fixed_owner")
 
-    def __init__(self, pieces: list[Piece], buffer: torch.Tensor, fixed_bytes: int) -> None:
+    def __init__(self, pieces: list[Piece], ranges: list[tuple[int, int]], buffer: torch.Tensor,
+                 fixed_bytes: int) -> None:
         self.buffer = buffer
-        self.arena = [buffer[p.start:p.end] for p in pieces]
-        self.capsule = [p.view() for p in pieces]
+        parts = [q for s, e in ranges for q in _slice(pieces, s, e)]
+        self.arena = [buffer[q.start:q.end] for q in parts]
+        self.capsule = [q.view() for q in parts]
         self.same_device = all(c.device == buffer.device for c in self.capsule)
         fixed = _slice(pieces, 0, fixed_bytes)
         if len(fixed) == 1:
@@ -301,9 +310,13 @@ class CapsuleStore:
         if actual != record.info.digest:
             raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
 
-    def write_back(self, record: Record, buffer: torch.Tensor,
-                   groups: Sequence[str] | None = None) -> tuple[torch.Tensor, Chunk | None]:
+    def write_back(self, record: Record, buffer: torch.Tensor, groups: Sequence[str] | None = None,
+                   keep_rows: int = 0) -> tuple[torch.Tensor, Chunk | None]:
         """Copy the capsule's bytes (only ``groups``, when given) into ``buffer``.
+
+        ``keep_rows``: the per-token rows [0:keep_rows] of ``buffer`` hold this
+        capsule's bytes already (the live state descends from it), so they are
+        not copied again.
 
         Everything that can fail (reading and verifying a disk capsule) happens
         before the first byte of ``buffer`` changes. Returns a view of the
@@ -313,7 +326,7 @@ class CapsuleStore:
         """
         with self._lock:
             if groups is None and record.info.tier != "disk":
-                plan = record.restore_plan(buffer, self.layout.fixed_bytes)
+                plan = record.restore_plan(buffer, self.layout, keep_rows)
                 plan.run()
                 record.last_used = time.monotonic()
                 return plan.fixed, plan.fixed_owner
@@ -323,9 +336,9 @@ class CapsuleStore:
             else:
                 pieces = record.pieces
             fixed = _slice(pieces, 0, self.layout.fixed_bytes)
-            if groups is not None:
-                wanted = self.layout.group_ranges(record.info.position, groups)
-                pieces = [q for s, e in wanted for q in _slice(pieces, s, e)]
+            wanted = (self.layout.group_ranges(record.info.position, groups) if groups is not None
+                      else self.layout.ranges(record.info.position, min(keep_rows, record.info.position)))
+            pieces = [q for s, e in wanted for q in _slice(pieces, s, e)]
             for p in pieces:
                 buffer[p.start:p.end].copy_(p.view(), non_blocking=True)
             record.last_used = time.monotonic()

@@ -321,6 +321,10 @@ class Engine:
                 regions: Sequence[str] | None = None) -> CapsuleInfo:
         """Make the capsule's state the live state; a refused restore changes nothing.
 
+        Returning to a capsule the live state descends from (a checkpoint taken or
+        restored earlier, then built on) copies back the fixed-size state and only
+        the per-token rows written since: the older rows are still the capsule's.
+
         ``verify``: re-hash the capsule's bytes before and the live state after the
         copy; on a mismatch the previous live state is put back and CorruptCapsule
         is raised. ``regions`` (groups such as ["kv"]) restores only those groups and
@@ -339,7 +343,10 @@ class Engine:
             if verify:
                 self.capsules.verify(record)
                 backup = self.arena.buffer.clone()
-            fixed, owner = self.capsules.write_back(record, self.arena.buffer)
+            # Descending from this capsule, the live state holds its per-token rows [0:p]
+            # already (KV is append-only): only what changed since is copied back.
+            keep = self._base[1] if self._base is not None and self._base[0] is record else 0
+            fixed, owner = self.capsules.write_back(record, self.arena.buffer, keep_rows=keep)
             if verify and self.arena.digest(position) != record.info.digest:
                 self.arena.buffer.copy_(backup)
                 raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
