@@ -245,3 +245,26 @@ def test_an_answer_to_a_halted_call_is_late_exactly_once(answered_before_halt):
         future.complete("accepted goal")
     future.run_callbacks()
     assert probe.late_answers == 1 and probe.undone == ["accepted goal"]
+
+
+def test_generate_behaviours_can_be_made_while_their_node_spins(ros_context):
+    # Kilted's rclpy adds an ActionClient to its node before the client has its lock; an
+    # executor spinning that node died of it within ~70 plain clients made in a tight loop.
+    import threading
+
+    from flashrt_ros.action import Generate as GenerateAction
+    from flashrt_ros.bt.behaviours import Generate, _ActionClient
+    from ros_harness import spun_client
+
+    py_trees.blackboard.Blackboard.clear()
+    errors, previous = [], threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        with spun_client(ros_context) as node:
+            behaviour = Generate("made while spinning", node, "made", server="/absent")
+            clients = [_ActionClient(node, GenerateAction, f"/absent_{i}/generate") for i in range(300)]
+            time.sleep(0.2)
+    finally:
+        threading.excepthook = previous
+    assert isinstance(behaviour.client, _ActionClient) and len(clients) == 300
+    assert errors == []

@@ -42,10 +42,13 @@ def test_installed_node_serves_another_process_and_stops_on_sigterm(monkeypatch,
     executor.add_node(client)
     import threading
 
+    # Every client before the spin thread: Kilted's rclpy registers an ActionClient with its
+    # node before the client has its lock, which an executor spinning the node can trip on.
+    clients = {k: client.create_client(t, f"/flashrt/{k}") for k, t in SERVICES.items()}
+    actions = ActionClient(client, Generate, "/flashrt/generate")
     spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()
     try:
-        clients = {k: client.create_client(t, f"/flashrt/{k}") for k, t in SERVICES.items()}
         for c in clients.values():
             assert c.wait_for_service(timeout_sec=90), "node process did not come up:\n" + _tail(log)
 
@@ -59,7 +62,6 @@ def test_installed_node_serves_another_process_and_stops_on_sigterm(monkeypatch,
                 time.sleep(0.2)
 
         assert call("list_capsules").success
-        actions = ActionClient(client, Generate, "/flashrt/generate")
         assert actions.wait_for_server(timeout_sec=30)
         handle = wait_future(actions.send_goal_async(Generate.Goal(prompt="hello", max_new_tokens=4)))
         result = wait_future(handle.get_result_async()).result

@@ -19,6 +19,7 @@ ticked from this one).
 """
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -34,6 +35,21 @@ from ..srv import Fork as ForkSrv
 from ..srv import Restore as RestoreSrv
 from ..srv import Rollback as RollbackSrv
 from ..srv import Snapshot as SnapshotSrv
+
+class _ActionClient(ActionClient):
+    """rclpy's ActionClient, safe to create while an executor spins its node.
+
+    Kilted's rclpy (9.1.2) adds the client to its node before it makes the
+    client's lock, so an executor already spinning the node can ask the half-built
+    client for its entities and die of an AttributeError (seen in CI). The lock
+    made first closes that window; rclpy replaces it with its own before the
+    client is returned, while nothing else uses it yet.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
 
 TIMEOUT = -1          # error_code written for a call that got no answer in time
 NO_SERVER = -2        # error_code written when the service or action server is absent
@@ -273,7 +289,7 @@ class Generate(_Call):
                  wait_for_server_s: float = 5.0) -> None:
         super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
         self.action = GenerateAction
-        self.client = ActionClient(node, GenerateAction, f"{self.server}/generate")
+        self.client = _ActionClient(node, GenerateAction, f"{self.server}/generate")
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
         self._key(result_key, Access.WRITE)
         self._goal = None

@@ -100,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     node = rclpy.create_node("flashrt_bt_example")
     executor = SingleThreadedExecutor()
     executor.add_node(node)
+    # The tree's clients exist before anything spins the node: Kilted's rclpy (9.1.2)
+    # registers an ActionClient with its node before the client has its lock, and an
+    # executor iterating the node then fails on the half-built client.
     spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
     try:
         extra = {"branches": args.branches} if args.tree == "explore-and-commit" else {}
         root = TREES[args.tree](node, server=args.server, **extra)
+        spinner.start()
         status = run_tree(root, timeout_s=args.timeout)
         print(py_trees.display.unicode_tree(root, show_status=True))
         print(f"{args.tree}: {status.value}")
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         # The spin thread must be out of rclpy's C++ wait before the interpreter exits
         # (a thread still inside it aborts the process at exit).
         executor.shutdown(timeout_sec=5)
-        spinner.join(5)
+        if spinner.ident is not None:
+            spinner.join(5)
         node.destroy_node()
         rclpy.try_shutdown()
 

@@ -79,8 +79,6 @@ class Demo:
         self.node = rclpy.create_node("flashrt_demo", context=self.context)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
-        self._spinner = threading.Thread(target=self.executor.spin, daemon=True)
-        self._spinner.start()
         self.srv = {name: self.node.create_client(t, f"/flashrt/{name}") for name, t in
                     (("snapshot", Snapshot), ("restore", Restore), ("list_capsules", ListCapsules),
                      ("drop_capsule", DropCapsule))}
@@ -91,6 +89,10 @@ class Demo:
         self.node.create_subscription(JointTrajectoryPoint, "/flashrt/action", self.actions.append, 50)
         self.joints_pub = self.node.create_publisher(JointState, "/flashrt/joint_states", 50)
         self.pose_pub = self.node.create_publisher(PoseStamped, "/flashrt/ee_pose", 50)
+        # Spun only now: Kilted's rclpy (9.1.2) registers an ActionClient with its node before
+        # the client has its lock, so an executor already spinning the node can fail on it.
+        self._spinner = threading.Thread(target=self.executor.spin, daemon=True)
+        self._spinner.start()
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _wait(self, future, timeout: float = 120.0):
