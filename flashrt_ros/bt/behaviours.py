@@ -36,6 +36,7 @@ from ..srv import Restore as RestoreSrv
 from ..srv import Rollback as RollbackSrv
 from ..srv import Snapshot as SnapshotSrv
 
+
 class _ActionClient(ActionClient):
     """rclpy's ActionClient, safe to create while an executor spins its node.
 
