@@ -47,6 +47,36 @@ def test_returning_to_a_checkpoint_rewrites_every_row_changed_since(tier, tmp_pa
     assert engine.state_digest() == engine.capsules.get(checkpoint.id).digest
 
 
+def test_restoring_a_capsule_that_shares_rows_with_the_live_states_ancestor_is_exact(tiny_engine):
+    # Rows a capsule shares (same chunk bytes) with the capsule the live state descends from
+    # are not copied: a fork of it, an earlier snapshot it extended. Rows it only shared
+    # up to a rollback must still be copied.
+    engine = tiny_engine
+    engine.prefill(PROMPT)
+    first = engine.snapshot()
+    at_first = _region_bytes(engine)
+    engine.generate(5)
+    second = engine.snapshot()                     # extends first: shares its rows
+    at_second = _region_bytes(engine)
+    engine.generate(5)
+    engine.restore(first)                          # the live state descends from second
+    assert _region_bytes(engine) == at_first
+    branch = engine.fork(first)                    # shares every byte with first
+    engine.generate(3)
+    engine.restore(branch)
+    assert _region_bytes(engine) == at_first
+    engine.restore(second)
+    engine.rollback(to_position=first.position - 6)
+    engine.prefill(list(b"a different turn"))      # rows below first's position now differ
+    third = engine.snapshot()                      # shares only the rows before the rollback
+    engine.generate(4)
+    engine.restore(first)
+    assert _region_bytes(engine) == at_first
+    engine.restore(second)
+    assert _region_bytes(engine) == at_second
+    assert third.parent == second.id
+
+
 def test_continuation_after_restore_is_token_identical_despite_unrelated_work(tiny_engine):
     tiny_engine.prefill(PROMPT)
     capsule = tiny_engine.snapshot()

@@ -153,6 +153,23 @@ def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
     return out
 
 
+def _same_bytes_until(a: list[Piece], b: list[Piece], start: int, end: int) -> int:
+    """The arena byte up to which ``a`` and ``b`` map [start, end) onto the very same chunk
+    bytes (both lists from ``_slice``, so sorted and touching); ``start`` if not even the first."""
+    a, b = _slice(a, start, end), _slice(b, start, end)
+    i = j = 0
+    pos = start
+    while pos < end and i < len(a) and j < len(b):
+        pa, pb = a[i], b[j]
+        if pa.start > pos or pb.start > pos or pa.chunk is not pb.chunk or \
+                pa.offset - pa.start != pb.offset - pb.start:
+            break
+        pos = min(pa.end, pb.end)
+        i += pos == pa.end
+        j += pos == pb.end
+    return pos
+
+
 class CapsuleStore:
     """Capsules by id and name; ``used_bytes`` and ``budget_bytes`` per tier."""
 
@@ -287,6 +304,18 @@ class CapsuleStore:
         return record
 
     # ---- restore ---------------------------------------------------------------------------------
+    def shared_rows(self, record: Record, other: Record, rows: int) -> int:
+        """How many of the first ``rows`` per-token rows ``record`` keeps in the very bytes
+        ``other`` keeps them in: a fork shares them all, and a snapshot that extended
+        ``other`` shares its prefix. Chunks are immutable, so equal bytes follow."""
+        with self._lock:
+            for r in self.layout.regions:
+                if r.per_token and rows:
+                    start = r.offset
+                    same = _same_bytes_until(record.pieces, other.pieces, start, start + rows * r.row_bytes)
+                    rows = min(rows, (same - start) // r.row_bytes)
+            return rows
+
     def check_compatible(self, capsule: Record | CapsuleInfo) -> None:
         """FingerprintMismatch unless the capsule was taken from this model and arena layout."""
         info = capsule.info if isinstance(capsule, Record) else capsule

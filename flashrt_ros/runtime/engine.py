@@ -324,6 +324,8 @@ class Engine:
         Returning to a capsule the live state descends from (a checkpoint taken or
         restored earlier, then built on) copies back the fixed-size state and only
         the per-token rows written since: the older rows are still the capsule's.
+        The same holds for a capsule that shares those rows with it (a fork of it,
+        or an earlier snapshot it extended).
 
         ``verify``: re-hash the capsule's bytes before and the live state after the
         copy; on a mismatch the previous live state is put back and CorruptCapsule
@@ -343,9 +345,12 @@ class Engine:
             if verify:
                 self.capsules.verify(record)
                 backup = self.arena.buffer.clone()
-            # Descending from this capsule, the live state holds its per-token rows [0:p]
-            # already (KV is append-only): only what changed since is copied back.
-            keep = self._base[1] if self._base is not None and self._base[0] is record else 0
+            # Descending from a capsule, the live state holds that capsule's per-token rows
+            # [0:p] (KV is append-only); those this capsule shares with it are not copied.
+            keep = 0
+            if self._base is not None:
+                base, rows = self._base
+                keep = rows if base is record else self.capsules.shared_rows(record, base, min(rows, position))
             fixed, owner = self.capsules.write_back(record, self.arena.buffer, keep_rows=keep)
             if verify and self.arena.digest(position) != record.info.digest:
                 self.arena.buffer.copy_(backup)
