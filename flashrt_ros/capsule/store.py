@@ -128,8 +128,9 @@ class RestorePlan:
         self.capsule = [q.view() for q in parts]
         self.same_device = all(c.device == buffer.device for c in self.capsule)
         fixed = _slice(pieces, 0, fixed_bytes)
-        if len(fixed) == 1:
-            self.fixed, self.fixed_owner = fixed[0].view(), fixed[0].chunk
+        if len(fixed) == 1:  # a view of the capsule's own memory; bytes read from disk belong to nobody
+            owner = fixed[0].chunk
+            self.fixed, self.fixed_owner = fixed[0].view(), (owner if owner.tier != "disk" else None)
         else:
             self.fixed, self.fixed_owner = torch.cat([p.view() for p in fixed]), None
 
@@ -356,24 +357,18 @@ class CapsuleStore:
         with self._lock:
             if groups is None and record.info.tier != "disk":
                 plan = record.restore_plan(buffer, self.layout, keep_rows)
-                plan.run()
-                record.last_used = time.monotonic()
-                return plan.fixed, plan.fixed_owner
-            if record.info.tier == "disk":
-                data, ranges = self._read_disk(record)
-                pieces = _pieces_over(Chunk("disk", data), ranges)
-            else:
-                pieces = record.pieces
-            fixed = _slice(pieces, 0, self.layout.fixed_bytes)
-            wanted = (self.layout.group_ranges(record.info.position, groups) if groups is not None
-                      else self.layout.ranges(record.info.position, min(keep_rows, record.info.position)))
-            pieces = [q for s, e in wanted for q in _slice(pieces, s, e)]
-            for p in pieces:
-                buffer[p.start:p.end].copy_(p.view(), non_blocking=True)
+            else:  # one-off plans: a disk capsule's bytes are read afresh, a group restore is an ablation
+                if record.info.tier == "disk":
+                    data, ranges = self._read_disk(record)
+                    pieces = _pieces_over(Chunk("disk", data), ranges)
+                else:
+                    pieces = record.pieces
+                wanted = (self.layout.group_ranges(record.info.position, groups) if groups is not None
+                          else self.layout.ranges(record.info.position, min(keep_rows, record.info.position)))
+                plan = RestorePlan(pieces, wanted, buffer, self.layout.fixed_bytes)
+            plan.run()
             record.last_used = time.monotonic()
-            if len(fixed) != 1:
-                return torch.cat([p.view() for p in fixed]), None
-            return fixed[0].view(), (fixed[0].chunk if fixed[0].chunk.tier != "disk" else None)
+            return plan.fixed, plan.fixed_owner
 
     # ---- internals -------------------------------------------------------------------------------
     def _register(self, pieces: list[Piece], position: int, name: str, tier: str, pin: bool, parent: str,
