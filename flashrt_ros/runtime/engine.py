@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # float64 is there to check the arithmetic itself against a float64 reference.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OPTIONS = {"cuda_graphs": True, "static_shapes": False, "prefill_chunk": 512, "flush_denormal": True,
-            "decode_threads": 1, "capsule_dir": None, "budgets": None, "spill": True, "rollback_depth": 8}
+            "decode_threads": 0, "capsule_dir": None, "budgets": None, "spill": True, "rollback_depth": 8}
 
 
 class Engine:
@@ -44,6 +44,9 @@ class Engine:
       flush_denormal: on a CPU, set flush-to-zero on the thread that runs each step
         (default True). Decaying recurrent states reach denormal floats, which make
         x86 arithmetic several times slower; the flag persists on that thread.
+      decode_threads: on a CPU, the torch thread count for one-row steps (decode and
+        policy steps); 0 (default) keeps torch's own. One-row projections spread their
+        work over the threads (``layers.project``), so fewer threads mean a slower step.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",

@@ -17,7 +17,7 @@ from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
 from ..config import FULL, LINEAR, ModelConfig
 from ..hugepages import empty_huge
-from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables, swiglu_mlp
+from ..layers import apply_rope, gated_rms_norm, project, rms_norm, rope_tables, swiglu_mlp
 
 
 def state_specs(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> list[RegionSpec]:
@@ -164,7 +164,7 @@ class Qwen35:
     def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         c, vd, hv, hk = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
-        mixed, z, beta_in, a_in = (x @ b.in_proj).split([c, vd, hv, hv], dim=-1)
+        mixed, z, beta_in, a_in = project(x, b.in_proj).split([c, vd, hv, hv], dim=-1)
 
         conv_state = self.conv[b.slot]                       # [K-1, C], time-major
         window = torch.cat([conv_state, mixed], dim=0)       # [K-1+n, C]
@@ -189,16 +189,16 @@ class Qwen35:
         rule = gated_delta.recurrent_step if n == 1 else gated_delta.chunked
         o = rule(q, k, v, g, beta, self.recurrent[b.slot]).to(x.dtype)
         o = gated_rms_norm(o, z.reshape(n, hv, -1), b.norm_a, cfg.rms_norm_eps)
-        return o.reshape(n, vd) @ b.out_proj
+        return project(o.reshape(n, vd), b.out_proj)
 
     def _full_mixer(self, x: torch.Tensor, b: _Block, kv: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qk, gate, v = (x @ b.in_proj).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
+        qk, gate, v = project(x, b.in_proj).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
         qk = apply_rope(rms_norm(qk.view(n, hq + hkv, d), b.norm_a, cfg.rms_norm_eps), *rope)
         out = write_and_attend(qk[:, :hq], qk[:, hq:], v.view(n, hkv, d), kv[:, 0], kv[:, 1], positions, span)
-        return (out * torch.sigmoid(gate)) @ b.out_proj
+        return project(out * torch.sigmoid(gate), b.out_proj)
 
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], span: Span, decode: bool) -> torch.Tensor:
@@ -233,15 +233,15 @@ class Qwen35:
         the hidden state of token t-1, exactly as its full forward would."""
         cfg, n, eps = self.cfg, embeds.shape[0], self.cfg.rms_norm_eps
         m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)], -1)
-        h = rms_norm(m @ self.mtp_fc, self.mtp.ln_in, eps)
-        k, v = (h @ self.mtp_kv_proj).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
+        h = rms_norm(project(m, self.mtp_fc), self.mtp.ln_in, eps)
+        k, v = project(h, self.mtp_kv_proj).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
         k = apply_rope(rms_norm(k, self.mtp_k_norm, eps), *rope)
         self.mtp_kv[:, 0].index_copy_(0, positions, k)
         self.mtp_kv[:, 1].index_copy_(0, positions, v)
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [1, vocab], from the last hidden state alone."""
-        return self.last_hidden[None] @ self.lm_head
+        return project(self.last_hidden[None], self.lm_head)
 
     def prefill(self, ids: torch.Tensor, start: int) -> None:
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
