@@ -43,17 +43,18 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """One token (n == 1); updates ``state`` in place and returns o [1, Hv, dv].
 
     q and k may have fewer heads than v (grouped value heads): each key head
-    serves Hv // Hk consecutive value heads, read through a view, not a copy.
+    serves Hv // Hk consecutive value heads. Their rows are repeated once per
+    value head (a 2 KiB copy) so that every product is a plain ``bmm``: with
+    broadcasting, ``matmul`` copies its operands on each call, and a decode step is
+    made of dispatches like these.
     """
     hk, dk = k.shape[1], k.shape[2]
     hv, dv = v.shape[1], v.shape[2]
-    s = state.view(hk, hv // hk, dk, dv)
-    s.mul_(g.exp().view(hk, -1, 1, 1))
-    # [hk, 1, 1, dk] @ [hk, G, dk, dv]: one batched GEMV per key head (einsum costs 7x more here).
-    read = torch.matmul(k.view(hk, 1, 1, dk), s)                      # [hk, G, 1, dv]
-    delta = (v.view(hk, -1, 1, dv) - read).mul_(beta.view(hk, -1, 1, 1))
-    s.add_(k.view(hk, 1, dk, 1) * delta)
-    return torch.matmul(q.view(hk, 1, 1, dk), s).view(1, hv, dv)
+    qk = torch.cat((q, k)).view(2, hk, 1, 1, dk).expand(2, hk, hv // hk, 1, dk).reshape(2, hv, 1, dk)
+    state.mul_(g.exp().view(hv, 1, 1))
+    delta = (v.view(hv, 1, dv) - torch.bmm(qk[1], state)).mul_(beta.view(hv, 1, 1))
+    state.baddbmm_(qk[1].transpose(1, 2), delta)         # S += k delta^T
+    return torch.bmm(qk[0], state).view(1, hv, dv)
 
 
 def _chunk_major(t: torch.Tensor, m: int, chunk: int, heads: int) -> torch.Tensor:

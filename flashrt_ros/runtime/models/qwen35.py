@@ -65,6 +65,9 @@ class _Block:
     slot: int = 0                  # index into the recurrent/conv or kv region
 
 
+_L2_EPS = 1e-6   # the gated delta rule's query and key normalisation, as the reference has it
+
+
 class _Cast:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
@@ -147,6 +150,8 @@ class Qwen35:
         cos, sin = rope_tables(max_seq_len, cfg.rotary_dim, cfg.rope_theta, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.rows = torch.arange(max_seq_len, device=device)
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        self.qk_scale = torch.tensor([dk ** -1.0] * hk + [dk ** -0.5] * hk, device=device).view(2 * hk, 1)
         self.arena: StateArena | None = None
 
     def bind(self, arena: StateArena) -> None:
@@ -180,9 +185,11 @@ class Qwen35:
                 mixed.addcmul_(window[tap:tap + n], b.conv[tap])
         mixed = F.silu(mixed, inplace=True)
 
-        kd = cfg.linear_key_dim
-        qk = gated_delta.l2_normalize(mixed[:, :2 * kd].reshape(n, 2 * hk, -1).float())
-        q, k = qk[:, :hk] * cfg.linear_key_head_dim ** -0.5, qk[:, hk:]
+        kd, dk = cfg.linear_key_dim, cfg.linear_key_head_dim
+        # L2 normalisation is an RMSNorm with eps / dk and a factor dk^-1/2; the queries'
+        # own dk^-1/2 joins that factor in the norm's per-head scale.
+        qk = rms_norm(mixed[:, :2 * kd].reshape(n, 2 * hk, dk).float(), self.qk_scale, _L2_EPS / dk)
+        q, k = qk[:, :hk], qk[:, hk:]
         v = mixed[:, 2 * kd:].reshape(n, hv, -1).float()
         beta = beta_in.float().sigmoid()
         g = b.neg_a * F.softplus(a_in.float() + b.dt_bias)
