@@ -19,6 +19,8 @@ fp32, H a multiple of Hk. q and k are already L2-normalised and q is scaled.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -28,10 +30,17 @@ CHUNK = 64
 # become denormal floats, which x86 handles up to ~100x slower, and the worker
 # threads of a prefill do not inherit the caller's flush-to-zero setting.
 _LOG_TINY = -30.0
+_TINY = math.exp(_LOG_TINY)
 
 
 def _decay(log_decay: torch.Tensor) -> torch.Tensor:
-    return log_decay.masked_fill(log_decay < _LOG_TINY, float("-inf")).exp()
+    """exp(log_decay) (log_decay <= 0), with factors below exp(_LOG_TINY) set to exactly 0.
+
+    One threshold after the exp, where a mask before it would feed the exp -inf:
+    torch's CPU exp takes a slow path on infinities (5x on a half-masked matrix),
+    and boolean masks cost more than the exp itself.
+    """
+    return F.threshold_(log_decay.exp(), _TINY, 0.0)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -89,9 +98,9 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     g, beta = (t.reshape(m, chunk, heads).transpose(1, 2) for t in (g, beta))
 
     cum = g.cumsum(-1)                                   # G_i
-    diff = cum[..., :, None] - cum[..., None, :]         # G_i - G_j
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = _decay(diff.masked_fill(~lower, float("-inf")))  # exp(G_i - G_j) for j <= i, else 0
+    # exp(G_i - G_j), used for j <= i only: the products below keep their lower triangle.
+    # Above it G_i - G_j > 0 (G never increases, in floats too), clamped so exp cannot overflow.
+    decay = _decay((cum[..., :, None] - cum[..., None, :]).clamp_(max=0.0))
 
     k_t = k.transpose(-1, -2)
     system = (k @ k_t).mul_(decay).mul_(beta[..., None]).tril_(-1)
@@ -100,7 +109,7 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k * (beta * cum_decay)[..., None], upper=False, unitriangular=True)
 
-    qk = (q @ k_t).mul_(decay)
+    qk = (q @ k_t).mul_(decay).tril_()
     q_decayed = q * cum_decay[..., None]
     k_to_end_t = (k * _decay(cum[..., -1:] - cum)[..., None]).transpose(-1, -2)
     chunk_decay = cum_decay[..., -1, None, None]         # [m, H, 1, 1]
