@@ -14,9 +14,9 @@ import secrets
 import threading
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -41,6 +41,11 @@ class Layout:
     fixed_bytes: int
     fingerprint: str
     table: tuple[dict, ...]
+    # (offset, row bytes) of each per-token region: computed once, read by every snapshot.
+    rows: tuple[tuple[int, int], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", tuple((r.offset, r.row_bytes) for r in self.regions if r.per_token))
 
     def ranges(self, position: int, start_position: int = 0) -> list[tuple[int, int]]:
         """The fixed block plus, for each per-token region, rows [start_position, position).
@@ -49,9 +54,9 @@ class Layout:
         fixed block ends): each range is one copy on snapshot and restore.
         """
         out = [(0, self.fixed_bytes)]
-        for r in self.regions:
-            if r.per_token and position > start_position:
-                start, end = r.offset + start_position * r.row_bytes, r.offset + position * r.row_bytes
+        if position > start_position:
+            for offset, row_bytes in self.rows:
+                start, end = offset + start_position * row_bytes, offset + position * row_bytes
                 if start == out[-1][1]:
                     out[-1] = (out[-1][0], end)
                 else:
@@ -63,9 +68,9 @@ class Layout:
         return [(r.offset, r.offset + r.live_bytes(position)) for r in self.regions if r.group in wanted]
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Arena bytes [start, end) are ``chunk.data[offset : offset + end - start]``."""
+class Piece(NamedTuple):
+    """Arena bytes [start, end) are ``chunk.data[offset : offset + end - start]``.
+    (A named tuple: a snapshot makes several, and a frozen dataclass costs 3x to build.)"""
 
     start: int
     end: int
@@ -276,8 +281,9 @@ class CapsuleStore:
             chunk = self._allocate(tier, need)
             pieces = _pieces_over(chunk, ranges)
             if chunk.data.device == buffer.device:
-                # One dispatch that lays every range end to end in the chunk (see RestorePlan.run).
-                torch.cat([buffer[s:e] for s, e in ranges], out=chunk.data)
+                # One dispatch for every range (see RestorePlan.run); ``cat`` into the chunk
+                # took 1.35x as long as this at 3.8 MiB.
+                torch._foreach_copy_([p.view() for p in pieces], [buffer[s:e] for s, e in ranges])
             else:
                 for p in pieces:
                     p.view().copy_(buffer[p.start:p.end], non_blocking=True)
@@ -426,12 +432,16 @@ class CapsuleStore:
         return parts[0] if len(parts) == 1 else b"".join(p.tobytes() for p in parts)
 
     def _allocate(self, tier: str, nbytes: int) -> Chunk:
-        self._make_room(tier, nbytes)
         if tier == "device":
+            # The pool is the device budget: a chunk that fits needs no room made first.
             chunk = self.pool.allocate(nbytes)
+            if chunk is None:
+                self._make_room(tier, nbytes)
+                chunk = self.pool.allocate(nbytes)
             if chunk is None:
                 raise BudgetExceeded(f"device tier: no {nbytes} contiguous bytes left in the pool")
         else:
+            self._make_room(tier, nbytes)
             chunk = host_chunk(nbytes, self._pin_host)
         self._used[tier] += chunk.nbytes
         return chunk
