@@ -151,3 +151,12 @@ def test_bad_observation_is_refused_without_a_step(obs, words):
     with pytest.raises(InvalidArgument, match=words):
         engine.step(obs)
     assert engine.state_digest() == before and engine.position == 0
+
+
+def test_an_engine_used_as_a_context_manager_stops_its_digest_thread_on_exit():
+    with Engine.from_config(ModelConfig.tiny()) as engine:
+        engine.prefill(PROMPT)
+        capsule = engine.snapshot()
+        assert engine.capsules.get(capsule.id).digest
+        assert engine.capsules.digests.alive
+    assert not engine.capsules.digests.alive

@@ -138,6 +138,7 @@ def run(device: str = "cpu", rounds: int = 5, prefixes: tuple[int, ...] = (2048,
         checks.append(verdict("TTFT via capsule at 16k / TTFT with an empty prefix", firsts[-1]["vs_empty"], 1.25, False))
     checks.append(verdict("rollback bookkeeping / decode step", share, 0.05, False))
     sync(dev)
+    engine.close()
     return {"machine": machine(), "device": str(dev), "time": time.time(), "copies": copies, "ttft": firsts,
             "rollback_share": share, "checks": checks}
 

@@ -55,6 +55,8 @@ def main() -> int:
           f"{captures}/{graphed._token_step.captures}")
     ok &= first == again and captures == graphed._token_step.captures == 1
     ok &= full[len(full) // 2] < 0.5
+    graphed.close()
+    eager.close()
     print("gpu_check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -82,6 +82,7 @@ def fork_memory(branches: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 409
               f"vs {n * full / 2**20:8.1f} MiB as full copies ({rows[-1]['ratio']:.4f})")
         for capsule in made:
             engine.capsules.drop(capsule)
+    engine.close()
     return rows
 
 

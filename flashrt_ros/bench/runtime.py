@@ -94,6 +94,7 @@ def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 
             verdict("prefill speed-up over transformers", t["hf_prefill"] / t["ours_prefill"], 1.3, True),
         ],
     }
+    engine.close()
     return results
 
 

@@ -178,6 +178,13 @@ class Engine:
         disk). The engine must not be used afterwards; do not call it holding ``lock``."""
         self.capsules.close()
 
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # A process that exits with the digest thread mid-hash inside torch can abort.
+        self.close()
+
     def reset(self) -> None:
         """Back to the empty state (position 0), as after construction. Capsules stay."""
         with self._lock:
