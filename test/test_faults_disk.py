@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -42,7 +43,8 @@ def test_sigkill_mid_save_leaves_only_whole_capsules(tmp_path):
         time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside a save, most of the time
         proc.send_signal(signal.SIGKILL)
         out, _ = proc.communicate()
-        saved += [line.split()[1] for line in out.splitlines() if line.startswith("saved")]
+        # Whole report lines only: one run of make test saw a "saved" line without its id.
+        saved += [m.group(1) for m in re.finditer(r"^saved ([0-9a-f]{16})$", out, re.MULTILINE)]
         finals = sorted(folder.glob("*.capsule"))
         loaded = Engine.from_config(ModelConfig.tiny(), max_seq_len=4096, capsule_dir=str(folder),
                                     budgets={"disk": 1 << 30})
