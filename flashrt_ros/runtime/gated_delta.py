@@ -53,7 +53,7 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     q and k may have fewer heads than v (grouped value heads): each key head
     serves Hv // Hk consecutive value heads. Their rows are repeated once per
-    value head (a 2 KiB copy) so that every product is a plain ``bmm``: with
+    value head (one copy of a few KiB) so that every product is a plain ``bmm``: with
     broadcasting, ``matmul`` copies its operands on each call, and a decode step is
     made of dispatches like these.
     """
