@@ -316,11 +316,10 @@ class CapsuleStore:
         ``other`` keeps them in: a fork shares them all, and a snapshot that extended
         ``other`` shares its prefix. Chunks are immutable, so equal bytes follow."""
         with self._lock:
-            for r in self.layout.regions:
-                if r.per_token and rows:
-                    start = r.offset
-                    same = _same_bytes_until(record.pieces, other.pieces, start, start + rows * r.row_bytes)
-                    rows = min(rows, (same - start) // r.row_bytes)
+            for offset, row_bytes in self.layout.rows:
+                if rows:
+                    same = _same_bytes_until(record.pieces, other.pieces, offset, offset + rows * row_bytes)
+                    rows = min(rows, (same - offset) // row_bytes)
             return rows
 
     def check_compatible(self, capsule: Record | CapsuleInfo) -> None:

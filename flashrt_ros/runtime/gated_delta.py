@@ -43,7 +43,10 @@ def _decay(log_decay: torch.Tensor) -> torch.Tensor:
     return F.threshold_(log_decay.exp(), _TINY, 0.0)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_EPS = 1e-6   # the query and key normalisation's eps, as the reference model has it
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 

@@ -16,8 +16,9 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     weights as offsets from one, and the model adds the one once at load. It
     may have a row per head. A decode step runs ~35 norms of one row, where the
     cost is dispatches: ``mean`` and a Python-number ``add_`` each wrap a scalar
-    in a tensor, and ``torch.rms_norm`` is the same ops behind one call, so the
-    mean and eps go in as one ``add`` onto a cached eps tensor (21 -> 13 us).
+    in a tensor (``torch.rms_norm`` does the same inside), so the mean and eps go
+    in as one ``add`` onto a cached eps tensor. Decode steps took 11.7 ms this way
+    and 12.7 ms with ``torch.rms_norm`` (side by side in one process, 30 rounds).
     """
     xf = x.float()
     return (xf * _inverse_rms(xf, eps)).mul_(scale).to(x.dtype)

@@ -65,9 +65,6 @@ class _Block:
     slot: int = 0                  # index into the recurrent/conv or kv region
 
 
-_L2_EPS = 1e-6   # the gated delta rule's query and key normalisation, as the reference has it
-
-
 class _Cast:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
@@ -188,7 +185,7 @@ class Qwen35:
         kd, dk = cfg.linear_key_dim, cfg.linear_key_head_dim
         # L2 normalisation is an RMSNorm with eps / dk and a factor dk^-1/2; the queries'
         # own dk^-1/2 joins that factor in the norm's per-head scale.
-        qk = rms_norm(mixed[:, :2 * kd].reshape(n, 2 * hk, dk).float(), self.qk_scale, _L2_EPS / dk)
+        qk = rms_norm(mixed[:, :2 * kd].reshape(n, 2 * hk, dk).float(), self.qk_scale, gated_delta.L2_EPS / dk)
         q, k = qk[:, :hk], qk[:, hk:]
         v = mixed[:, 2 * kd:].reshape(n, hv, -1).float()
         beta = beta_in.float().sigmoid()
