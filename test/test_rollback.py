@@ -65,6 +65,28 @@ def test_policy_steps_roll_back_and_replay():
     assert engine.step(observations[6]).tolist() == actions[6].tolist()
 
 
+@pytest.mark.parametrize("back", ["rollback", "restore"])
+def test_tokens_over_an_abandoned_policy_step_match_a_cold_engine(back):
+    """A token row must not keep the observation a rolled-back (or restored-over) step left there."""
+    cfg = ModelConfig.tiny(obs_dim=6, action_dim=3)
+    engine, cold = Engine.from_config(cfg, max_seq_len=64), Engine.from_config(cfg, max_seq_len=64)
+    engine.prefill([5, 6, 7])
+    cold.prefill([5, 6, 7])
+    before = engine.snapshot()
+    engine.step([1.0] * 6)
+    if back == "rollback":
+        engine.rollback(1)
+    else:
+        engine.restore(before)
+    assert engine.generate(2) == cold.generate(2)
+    assert engine.state_digest() == cold.state_digest()
+    mine, theirs = engine.snapshot(), cold.snapshot()
+    assert engine.capsules.get(mine.id).history_hash == cold.capsules.get(theirs.id).history_hash
+    engine.prefill([8, 9])
+    cold.prefill([8, 9])
+    assert engine.state_digest() == cold.state_digest()
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"steps": -1}, "int >= 0"),
     ({"steps": 9}, "rollback_depth=8"),

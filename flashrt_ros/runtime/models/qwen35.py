@@ -250,6 +250,8 @@ class Qwen35:
     def prefill(self, ids: torch.Tensor, start: int) -> None:
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         self.tokens[start:start + ids.shape[0]].copy_(ids)
+        if self.observations is not None:   # a token row holds no observation (see policy_step)
+            self.observations[start:start + ids.shape[0]].zero_()
         self.advance(F.embedding(ids, self.embed), positions, Span.prefill(start, ids.shape[0], self.device),
                      decode=False)
 
@@ -257,10 +259,15 @@ class Qwen35:
         """Greedy decode of one token, reading and writing only arena state (graph-capturable)."""
         token = self.logits().argmax(-1)
         self.tokens.index_copy_(0, self.position, token)
+        if self.observations is not None:
+            self.observations.index_fill_(0, self.position, 0.0)
         self.advance(F.embedding(token, self.embed), self.position, span, decode=True)
 
     def policy_step(self, observation: torch.Tensor, action_out: torch.Tensor, span: Span) -> None:
-        """One observation [obs_dim] in, one action written to ``action_out`` (graph-capturable)."""
+        """One observation [obs_dim] in, one action written to ``action_out`` (graph-capturable).
+
+        Every committed row is written whole, token and observation alike: a row past a
+        rollback or restore point may still hold what an abandoned branch put there."""
         self.tokens.index_fill_(0, self.position, -1)
         self.observations.index_copy_(0, self.position, observation[None])
         embed = torch.addmm(self.obs_bias, observation[None].to(self.dtype), self.obs_proj)
