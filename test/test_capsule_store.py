@@ -171,3 +171,64 @@ def test_copy_ranges_cover_the_live_state_with_touching_ranges_merged(position):
     first_rows = min((r for r in layout.regions if r.per_token), key=lambda r: r.offset)
     if position and first_rows.offset == layout.fixed_bytes:
         assert ranges[0] == (0, layout.fixed_bytes + first_rows.row_bytes * position)
+
+
+def _full_size(tokens: int) -> int:
+    probe = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    probe.prefill(list(range(1, tokens + 1)))
+    return probe.snapshot().nbytes
+
+
+def test_a_snapshot_never_shares_rows_with_a_base_spilled_to_make_room_for_it():
+    """B extends A, so it would share A's rows; making room for B spills A. B must not point
+    at the pool bytes A just gave up: it copies everything instead."""
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, spill=True,
+                                budgets={"device": _full_size(10) + 10_000, "host": 8 << 20})
+    cold = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    for e in (engine, cold):
+        e.prefill(list(range(1, 11)))
+    engine.snapshot("A")
+    assert engine.generate(5) == cold.generate(5)
+    live = engine.state_digest()
+    engine.snapshot("B")
+    assert {c.name: c.tier for c in engine.capsules.list()} == {"A": "host", "B": "device"}
+    assert engine.capsules.get("B").digest == live
+    engine.reset()
+    engine.restore("B")
+    assert engine.state_digest() == live
+    assert engine.generate(5) == cold.generate(5)
+    engine.capsules.drop("B")
+    engine.capsules.drop("A")
+    assert engine.capsules.used_bytes("device") == engine.capsules.used_bytes("host") == 0
+    assert engine.capsules.pool.largest_free() == engine.capsules.budget_bytes("device")
+
+
+def test_a_capsule_larger_than_the_pool_once_aligned_is_refused_without_spilling_anything():
+    size = _full_size(10)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, spill=True,
+                                budgets={"device": size + 8, "host": 8 << 20})   # the pool aligns to 256
+    engine.prefill(list(range(1, 10)))
+    engine.snapshot("small")
+    engine.prefill([10])
+    with pytest.raises(BudgetExceeded, match="exceeds the whole budget"):
+        engine.snapshot("big")
+    assert {c.name: c.tier for c in engine.capsules.list()} == {"small": "device"}
+
+
+def test_a_shared_capsule_spilled_to_disk_counts_all_its_bytes_there_after_a_restart(tmp_path):
+    size = _full_size(10)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path,
+                                budgets={"device": 1 << 20, "host": size + 100, "disk": 8 << 20})
+    engine.prefill(list(range(1, 11)))
+    engine.snapshot("a", tier="host")
+    assert engine.fork("a", name="f").nbytes == 0   # shares a's bytes
+    engine.capsules.drop("a")
+    engine.reset()
+    engine.prefill(list(range(20, 30)))
+    engine.snapshot("c", tier="host")                # no room: f goes down to disk, whole
+    assert (engine.capsules.get("f").tier, engine.capsules.get("f").nbytes) == ("disk", size)
+    engine.close()
+    again = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path)
+    assert again.capsules.get("f").nbytes == size
+    assert again.capsules.used_bytes("disk") == size
+    again.close()

@@ -127,6 +127,24 @@ def _cases(blob: bytes) -> dict[str, bytes]:
         h["header_digest"] = _header_digest(h)
 
     cases["capsule header: resealed position lie"] = _with_capsule_header(blob, resealed)
+
+    # Rollback replays the log, so a malformed one must not load even with a matching seal. (A
+    # well-formed log of another history can only be told apart by the engine that took the
+    # capsule: the header digest is a checksum, not a signature.)
+    def resealed_log(runs):
+        def edit(h):
+            from flashrt_ros.capsule.diskformat import _header_digest
+
+            h["log"] = runs
+            h["header_digest"] = _header_digest(h)
+        return edit
+
+    position = json.loads(header["__metadata__"]["flashrt_capsule"])["position"]
+    logs = {"not a list": 7, "a run that skips a position": [["prefill", 1, position - 1]],
+            "runs short of the position": [["prefill", 0, position - 1]],
+            "counts as text": [["prefill", "0", str(position)]]}
+    for name, runs in logs.items():
+        cases[f"capsule header: resealed log lie, {name}"] = _with_capsule_header(blob, resealed_log(runs))
     return cases
 
 

@@ -17,14 +17,27 @@ _ALIGN = 256
 class Chunk:
     """An immutable run of bytes shared by the capsules that reference it."""
 
-    __slots__ = ("tier", "data", "offset", "refs")
+    __slots__ = ("tier", "data", "offset", "refs", "landed")
 
     def __init__(self, tier: str, data: torch.Tensor, offset: int = -1) -> None:
         self.tier, self.data, self.offset, self.refs = tier, data, offset, 0
+        self.landed = None   # a CUDA event after copies from the GPU that did not wait
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def copied_from(self, device: torch.device) -> None:
+        """Mark the copies just queued from ``device`` into this (host) chunk: CPU reads wait for them."""
+        if device.type == "cuda":
+            self.landed = torch.cuda.Event()
+            self.landed.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> None:
+        """Return once the bytes are in place for the CPU to read (at once on a CPU)."""
+        landed = self.landed
+        if landed is not None:
+            landed.synchronize()
 
 
 class DevicePool:
@@ -35,8 +48,13 @@ class DevicePool:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []   # sorted (offset, size)
 
+    @staticmethod
+    def footprint(nbytes: int) -> int:
+        """The pool bytes a chunk of ``nbytes`` takes (chunks start aligned)."""
+        return max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+
     def allocate(self, nbytes: int) -> Chunk | None:
-        size = max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+        size = self.footprint(nbytes)
         for i, (offset, free) in enumerate(self._free):
             if free >= size:
                 if free == size:
@@ -47,7 +65,7 @@ class DevicePool:
         return None
 
     def release(self, chunk: Chunk) -> None:
-        size = max(_ALIGN, (chunk.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+        size = self.footprint(chunk.nbytes)
         i = bisect.bisect(self._free, (chunk.offset, size))
         self._free.insert(i, (chunk.offset, size))
         # Merge with the right, then the left neighbour, so free space stays in few runs.

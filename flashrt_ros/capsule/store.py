@@ -277,8 +277,15 @@ class CapsuleStore:
                     if r.per_token and start:
                         shared += base[0].pieces_in(r.offset, r.offset + start * r.row_bytes)
             ranges = self.layout.ranges(position, start)
-            need = sum(e - s for s, e in ranges)
-            chunk = self._allocate(tier, need)
+            try:
+                # Room is made without spilling the base: that would free the very rows shared here.
+                chunk = self._allocate(tier, sum(e - s for s, e in ranges), spare=base[0] if shared else None)
+            except BudgetExceeded:
+                if not shared:
+                    raise
+                shared, ranges = [], self.layout.ranges(position)   # copy it all; the base may go
+                chunk = self._allocate(tier, sum(e - s for s, e in ranges))
+            need = chunk.nbytes
             pieces = _pieces_over(chunk, ranges)
             if chunk.data.device == buffer.device:
                 # One dispatch for every range (see RestorePlan.run); ``cat`` into the chunk
@@ -287,7 +294,9 @@ class CapsuleStore:
             else:
                 for p in pieces:
                     p.view().copy_(buffer[p.start:p.end], non_blocking=True)
-            pieces = sorted(shared + pieces, key=lambda p: p.start)
+                chunk.copied_from(buffer.device)   # the digest thread reads these bytes on the CPU
+            if shared:
+                pieces = sorted(shared + pieces, key=lambda p: p.start)
             record = self._register(pieces, position, name, tier, pin, parent, need, log_runs)
         self._emit("snapshot", record.info)
         return record
@@ -425,42 +434,49 @@ class CapsuleStore:
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
         covering = record.pieces_in(start, end) if pieces is None else _slice(pieces, start, end)
+        for p in covering:
+            p.chunk.wait()
         parts = [p.view().cpu().numpy() for p in covering]
         if sum(p.size for p in parts) != end - start:
             raise CorruptCapsule(f"capsule {record.info.id} does not cover arena bytes [{start}, {end})")
         return parts[0] if len(parts) == 1 else b"".join(p.tobytes() for p in parts)
 
-    def _allocate(self, tier: str, nbytes: int) -> Chunk:
+    def _allocate(self, tier: str, nbytes: int, spare: Record | None = None) -> Chunk:
+        """A chunk of ``nbytes`` on ``tier``, spilling (never ``spare``) to make room."""
         if tier == "device":
             # The pool is the device budget: a chunk that fits needs no room made first.
             chunk = self.pool.allocate(nbytes)
             if chunk is None:
-                self._make_room(tier, nbytes)
+                self._make_room(tier, nbytes, spare)
                 chunk = self.pool.allocate(nbytes)
             if chunk is None:
                 raise BudgetExceeded(f"device tier: no {nbytes} contiguous bytes left in the pool")
         else:
-            self._make_room(tier, nbytes)
+            self._make_room(tier, nbytes, spare)
             chunk = host_chunk(nbytes, self._pin_host)
         self._used[tier] += chunk.nbytes
         return chunk
 
     def _fits(self, tier: str, nbytes: int) -> bool:
         if tier == "device":
-            return self.pool.largest_free() >= nbytes
+            return self.pool.largest_free() >= self.pool.footprint(nbytes)
         return self._used[tier] + nbytes <= self._budgets.get(tier, 0)
 
-    def _make_room(self, tier: str, nbytes: int) -> None:
+    def _make_room(self, tier: str, nbytes: int, spare: Record | None = None) -> None:
         if self._fits(tier, nbytes):
             return
         budget = self._budgets.get(tier, 0)
-        if nbytes > budget:
+        # The pool rounds chunks up: compare what the chunk would take, or every capsule is
+        # spilled for one that can never fit.
+        footprint = self.pool.footprint(nbytes) if tier == "device" else nbytes
+        if footprint > budget:
             raise BudgetExceeded(f"{tier} tier: a {nbytes}-byte capsule exceeds the whole budget of {budget} bytes")
         if not self.spill:
             raise BudgetExceeded(
                 f"{tier} tier: {nbytes} more bytes exceed the budget ({self._used[tier]} of {budget} used); "
                 f"spill is off")
-        victims = sorted((r for r in self._records.values() if r.info.tier == tier and not r.info.pinned),
+        victims = sorted((r for r in self._records.values()
+                          if r.info.tier == tier and not r.info.pinned and r is not spare),
                          key=lambda r: r.last_used)
         for victim in victims:
             if self._fits(tier, nbytes):
@@ -479,6 +495,8 @@ class CapsuleStore:
             self._emit("evict", record.info)
             return
         self.digests.finish(record)  # the digest first, and the job's hold on the old tier ends now
+        for p in record.pieces:
+            p.chunk.wait()
         data = torch.cat([p.view().cpu() for p in record.pieces]) if record.pieces else None
         ranges = [(p.start, p.end) for p in record.pieces]
         old = record.pieces
@@ -489,9 +507,12 @@ class CapsuleStore:
             record.pieces = _pieces_over(chunk, ranges)
             record.info = replace(record.info, tier="host", nbytes=data.numel())
         else:
-            record.path = self._write_disk(record.info, ranges, data, record.log)
+            # On disk a capsule holds all of its bytes: the header must say so, since a
+            # restart counts the disk tier from the headers.
+            info = replace(record.info, tier="disk", nbytes=data.numel())
+            record.path = self._write_disk(info, ranges, data, record.log)
             record.pieces = []
-            record.info = replace(record.info, tier="disk", nbytes=data.numel())
+            record.info = info
         self._release(old)
         self._emit("spill", record.info)
 
@@ -553,6 +574,8 @@ class CapsuleStore:
         if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
                 [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
             raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} no longer describes this capsule")
+        if _log_from_header(header, info.position) != record.log:   # what a rollback past it replays
+            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} has another boundary log")
         data = diskformat.read_data(record.path, header)
         ranges = [tuple(r) for r in header["ranges"]]
         actual = state_digest(self.layout.regions, record.info.position, _range_reader(ranges, data))
@@ -573,7 +596,9 @@ class CapsuleStore:
             try:
                 header = diskformat.read_header(path)
                 info = _info_from_header(header, self.layout.table)
-                record = Record(info, [], tuple(tuple(run) for run in header.get("log", [])), path)
+                # What the file holds, whatever the header's own count says.
+                info = replace(info, nbytes=sum(e - s for s, e in header["ranges"]))
+                record = Record(info, [], _log_from_header(header, info.position), path)
                 self.check_compatible(record)
                 if path.name != diskformat.path_for(folder, info.id).name or info.id in self._records:
                     raise CorruptCapsule(f"{path.name}: file name does not match capsule id {info.id!r}")
@@ -616,6 +641,23 @@ def _range_reader(ranges: Sequence[tuple[int, int]], data: torch.Tensor) -> Call
 
 _INFO_KEYS = ("id", "name", "parent", "position", "nbytes", "tier", "pinned", "created", "model_fingerprint",
               "layout_fingerprint", "digest", "history_hash")
+
+
+def _log_from_header(header: dict, position: int) -> tuple:
+    """The boundary log: runs [kind, start, count] that tile positions [0, position) in order.
+    Rollback replays it, so a header that lies here must not load."""
+    runs, end = header.get("log"), 0
+    if not isinstance(runs, list):
+        raise CorruptCapsule("capsule header log is not a list of runs")
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in run[1:])
+                and run[1] == end and run[2] >= 1):
+            raise CorruptCapsule(f"capsule header log run {str(run)[:60]} does not continue at position {end}")
+        end += run[2]
+    if end != position:
+        raise CorruptCapsule(f"capsule header log covers {end} positions, the capsule has {position}")
+    return tuple(tuple(run) for run in runs)
 
 
 def _info_fields(info: CapsuleInfo) -> dict:
