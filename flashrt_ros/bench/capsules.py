@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..runtime import Engine, ModelConfig
-from .common import add_ttft_prefixes, bench_main, interleaved, machine, sync, timed, verdict
+from .common import add_ttft_prefixes, bench_main, interleaved, machine, matmul_rate, sync, timed, verdict
 
 SUFFIX = 64
 
@@ -73,6 +73,7 @@ def ttft(engine: Engine, prefixes: list[int], rounds: int) -> list[dict]:
     engine.reset()
     empty = interleaved({"empty": lambda: timed(lambda: (engine.reset(), engine.prefill(suffix),
                                                           engine.generate(1)), dev)}, rounds)["empty"]
+    rate = matmul_rate(dev)
     for prefix in prefixes:
         engine.reset()
         prompt = _ids(prefix, prefix)
@@ -89,12 +90,22 @@ def ttft(engine: Engine, prefixes: list[int], rounds: int) -> list[dict]:
 
         t = interleaved({"cold": cold, "capsule": warm}, max(1, rounds // 2))
         engine.capsules.drop(capsule)
+        floor = (empty + _suffix_attention_flops(engine, prefix) / rate) / empty
         rows.append({"prefix": prefix, "cold_ms": t["cold"] * 1e3, "capsule_ms": t["capsule"] * 1e3,
-                     "speedup": t["cold"] / t["capsule"], "vs_empty": t["capsule"] / empty})
+                     "speedup": t["cold"] / t["capsule"], "vs_empty": t["capsule"] / empty,
+                     "vs_empty_floor": floor})
         print(f"  P={prefix:6d}: cold {t['cold'] * 1e3:9.1f} ms   capsule {t['capsule'] * 1e3:7.1f} ms   "
               f"x{rows[-1]['speedup']:.1f} faster   {rows[-1]['vs_empty']:.2f}x the empty-prefix TTFT "
-              f"({empty * 1e3:.1f} ms)")
+              f"({empty * 1e3:.1f} ms; floor here {floor:.2f}x)")
+    print(f"  floor: the empty-prefix TTFT plus the suffix's attention over the prefix alone at "
+          f"{rate / 1e9:.0f} GFLOP/s (the fastest square matrix product here), everything else free")
     return rows
+
+
+def _suffix_attention_flops(engine: Engine, prefix: int) -> float:
+    """Scores and weighted values of SUFFIX queries over prefix + SUFFIX rows, every full-attention layer."""
+    cfg = engine.config
+    return 4.0 * SUFFIX * (prefix + SUFFIX) * cfg.num_attention_heads * cfg.head_dim * len(cfg.full_layers)
 
 
 def rollback_share(engine: Engine, rounds: int) -> float:

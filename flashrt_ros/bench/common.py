@@ -57,6 +57,15 @@ def copy_bandwidth(nbytes: int, device: torch.device, rounds: int = 7) -> float:
     return nbytes / statistics.median(timed(lambda: dst.copy_(src), device) for _ in range(rounds))
 
 
+def matmul_rate(device: torch.device, size: int = 1024, rounds: int = 9) -> float:
+    """FLOP/s of the fastest of ``rounds`` square fp32 matrix products: about the most this
+    device does with any kernel, for bounds (the fastest round, since noise only slows)."""
+    a = torch.randn(size, size, device=device)
+    b, out = torch.randn_like(a), torch.empty_like(a)
+    torch.mm(a, b, out=out)
+    return 2 * size ** 3 / min(timed(lambda: torch.mm(a, b, out=out), device) for _ in range(rounds))
+
+
 def verdict(name: str, value: float, target: float, higher_is_better: bool) -> dict:
     ok = value >= target if higher_is_better else value <= target
     sign = ">=" if higher_is_better else "<="
