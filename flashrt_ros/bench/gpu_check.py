@@ -5,7 +5,9 @@
 Checks that graphed decode gives the tokens eager decode gives, that a
 restore keeps the captured graph valid (no recapture, identical tokens), and
 reports the restore time of a 16k-token ``ModelConfig.bench()`` state with
-CUDA events (target < 0.5 ms). Exits non-zero on a failed check.
+CUDA events (target < 0.5 ms), and that a host-tier capsule (copied to pinned
+memory without blocking) hashes and restores the bytes it was taken from.
+Exits non-zero on a failed check.
 """
 from __future__ import annotations
 
@@ -55,6 +57,17 @@ def main() -> int:
           f"{captures}/{graphed._token_step.captures}")
     ok &= first == again and captures == graphed._token_step.captures == 1
     ok &= full[len(full) // 2] < 0.5
+
+    # A host-tier snapshot copies to pinned memory without blocking; its digest, computed on the
+    # CPU by another thread, must see the copied bytes, not what the pinned buffer held before.
+    live = graphed.state_digest()
+    host = graphed.snapshot(tier="host")
+    graphed.generate(8)
+    hashed = graphed.capsules.get(host.id).digest == live
+    graphed.restore(host)
+    print(f"host-tier capsule digest == live digest at the snapshot: {hashed}; "
+          f"restored from host exactly: {graphed.state_digest() == live}")
+    ok &= hashed and graphed.state_digest() == live
     graphed.close()
     eager.close()
     print("gpu_check:", "PASS" if ok else "FAIL")
