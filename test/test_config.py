@@ -62,6 +62,11 @@ def test_moe_variants_are_refused_until_supported(model_type):
     ({"hidden_size": -4}, "positive int"),
     ({"layer_types": ["linear_attention", "mamba"], "num_hidden_layers": 2}, "unknown layer types"),
     ({"obs_dim": 4}, "policy mode"),
+    ({"full_attention_interval": 0, "layer_types": None}, "malformed config: ZeroDivisionError"),
+    ({"rms_norm_eps": "abc"}, "malformed config: ValueError"),
+    ({"rope_parameters": [1]}, "malformed config: AttributeError"),
+    ({"layer_types": 5}, "malformed config: TypeError"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
 ])
 def test_bad_configs_name_the_problem(change, words):
     raw = ModelConfig.tiny().to_hf_config() | change

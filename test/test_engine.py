@@ -114,10 +114,30 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(case):
     ({"no_such_option": 1}, "unknown engine options"),
     ({"dtype": torch.int32}, "not supported"),
     ({"max_seq_len": 0}, "positive int"),
+    ({"max_seq_len": True}, "positive int"),
+    ({"decode_threads": -1}, "decode_threads must be an int >= 0"),
+    ({"prefill_chunk": "x"}, "prefill_chunk must be an int >= 1"),
 ])
 def test_bad_engine_arguments_are_refused(kwargs, words):
     with pytest.raises(InvalidArgument, match=words):
         Engine.from_config(ModelConfig.tiny(), **kwargs)
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda w: w.pop("model.norm.weight"), "no tensor model.norm.weight"),
+    (lambda w: w.update({"model.layers.2.linear_attn.out_proj.weight": torch.randn(128, 64)}), "has shape"),
+    (lambda w: w.update({"model.norm.weight": torch.zeros(128, dtype=torch.int64)}), "torch.int64"),
+    (lambda w: w.update({"model.norm.weight": torch.zeros(128).to(torch.float8_e4m3fn)}), "quantized"),
+])
+def test_weights_handed_to_the_constructor_are_checked_before_anything_runs(damage, words):
+    from flashrt_ros.errors import CheckpointError
+    from flashrt_ros.runtime.weights import seeded_weights
+
+    weights = seeded_weights(ModelConfig.tiny())
+    damage(weights)
+    with pytest.raises(CheckpointError, match=words):
+        Engine(ModelConfig.tiny(), weights)
+
 
 
 POLICY = ModelConfig.tiny(obs_dim=10, action_dim=4)

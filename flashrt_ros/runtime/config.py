@@ -173,7 +173,18 @@ class ModelConfig:
                 raise InvalidArgument("qwen3_5 config has no text_config object")
             if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
                 return cls.from_hf_config(text)
+        if raw.get("quantization_config") or text.get("quantization_config"):
+            raise InvalidArgument("quantized checkpoints (quantization_config) are not supported: "
+                                  "load the float16, bfloat16 or float32 release")
+        try:
+            return cls._from_text(raw, text)
+        except InvalidArgument:
+            raise
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # a list where an int belongs
+            raise InvalidArgument(f"malformed config: {type(exc).__name__}: {exc}") from None
 
+    @classmethod
+    def _from_text(cls, raw: dict[str, Any], text: dict[str, Any]) -> "ModelConfig":
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -198,33 +209,30 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         hidden = _required(text, "hidden_size")
         heads = _required(text, "num_attention_heads")
-        try:
-            return cls(
-                vocab_size=_required(text, "vocab_size"),
-                hidden_size=hidden,
-                intermediate_size=_required(text, "intermediate_size"),
-                layer_types=layer_types,
-                num_attention_heads=heads,
-                num_key_value_heads=text.get("num_key_value_heads", heads),
-                head_dim=text.get("head_dim") or hidden // heads,
-                linear_num_key_heads=_required(text, "linear_num_key_heads"),
-                linear_num_value_heads=_required(text, "linear_num_value_heads"),
-                linear_key_head_dim=_required(text, "linear_key_head_dim"),
-                linear_value_head_dim=_required(text, "linear_value_head_dim"),
-                linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
-                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000.0))),
-                partial_rotary_factor=float(
-                    rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
-                max_position_embeddings=text.get("max_position_embeddings", 32768),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 1),
-                obs_dim=text.get("obs_dim", 0),
-                action_dim=text.get("action_dim", 0),
-                eos_token_ids=eos_ids,
-            )
-        except TypeError as exc:  # e.g. a list where an int belongs
-            raise InvalidArgument(f"malformed config: {exc}") from None
+        return cls(
+            vocab_size=_required(text, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(text, "intermediate_size"),
+            layer_types=layer_types,
+            num_attention_heads=heads,
+            num_key_value_heads=text.get("num_key_value_heads", heads),
+            head_dim=text.get("head_dim") or hidden // heads,
+            linear_num_key_heads=_required(text, "linear_num_key_heads"),
+            linear_num_value_heads=_required(text, "linear_num_value_heads"),
+            linear_key_head_dim=_required(text, "linear_key_head_dim"),
+            linear_value_head_dim=_required(text, "linear_value_head_dim"),
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000.0))),
+            partial_rotary_factor=float(
+                rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 1),
+            obs_dim=text.get("obs_dim", 0),
+            action_dim=text.get("action_dim", 0),
+            eos_token_ids=eos_ids,
+        )
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
@@ -233,7 +241,7 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except OSError as exc:
             raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:   # not JSON, or not UTF-8
             raise InvalidArgument(f"{path} is not valid JSON: {exc}") from None
         return cls.from_hf_config(raw)
 

@@ -56,12 +56,14 @@ class Engine:
         if unknown:
             raise InvalidArgument(f"unknown engine options {unknown}; known: {sorted(_OPTIONS)}")
         opts = {**_OPTIONS, **options}
-        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        if not _is_int(max_seq_len) or max_seq_len < 1:
             raise InvalidArgument(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype {dtype} is not supported ({', '.join(map(str, _DTYPES))})")
-        if int(opts["prefill_chunk"]) < 1:
-            raise InvalidArgument(f"prefill_chunk must be >= 1, got {opts['prefill_chunk']}")
+        for key, least in (("prefill_chunk", 1), ("decode_threads", 0), ("rollback_depth", 1)):
+            if not _is_int(opts[key]) or opts[key] < least:
+                raise InvalidArgument(f"{key} must be an int >= {least}, got {opts[key]!r}")
+        weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -472,3 +474,6 @@ class Engine:
                 f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
                 f"(position is {self._position})")
 
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -89,6 +89,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """CheckpointError unless ``weights`` holds every tensor ``cfg`` implies, each a
+    floating-point tensor of the implied shape (extra tensors are ignored)."""
+    for name, shape in expected_shapes(cfg).items():
+        tensor = weights.get(name)
+        if tensor is None:
+            raise CheckpointError(f"weights have no tensor {name}")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.element_size() < 2:
+            raise CheckpointError(f"tensor {name} is {getattr(tensor, 'dtype', type(tensor).__name__)}; "
+                                  f"expected float16, bfloat16, float32 or float64 (quantized weights are not supported)")
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, config implies {shape}")
+
+
 def _seeded(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     # One generator per tensor, keyed by name: a tensor's values do not depend
     # on which other tensors exist, so adding a head never changes the backbone.
@@ -134,6 +148,8 @@ def _weight_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         files = sorted({path / f for f in weight_map.values()})
     else:
         files = sorted(path.glob("*.safetensors"))

@@ -170,7 +170,7 @@ class Qwen35:
 
         conv_state = self.conv[b.slot]                       # [K-1, C], time-major
         window = torch.cat([conv_state, mixed], dim=0)       # [K-1+n, C]
-        conv_state.copy_(window[-conv_state.shape[0]:])
+        conv_state.copy_(window[window.shape[0] - conv_state.shape[0]:])   # not [-0:] when K = 1
         # Depthwise causal conv as K shifted multiply-adds over contiguous rows: oneDNN's
         # grouped conv1d costs milliseconds per call at decode sizes, and a product over
         # ``window.unfold`` (its taps strided by C) took 3.8x as long at 512 tokens.
