@@ -97,6 +97,15 @@ def test_bad_tier_and_duplicate_names_are_refused(disk_engine):
     _refused(disk_engine, ErrorCode.INVALID_ARGUMENT, lambda: disk_engine.snapshot("once"))
 
 
+def test_a_name_cannot_take_the_form_of_a_capsule_id(disk_engine):
+    """Lookups try ids first, so a name that is another capsule's id would reach that capsule."""
+    first = disk_engine.snapshot()
+    message = _refused(disk_engine, ErrorCode.INVALID_ARGUMENT, lambda: disk_engine.snapshot(name=first.id))
+    assert "form of a capsule id" in message
+    _refused(disk_engine, ErrorCode.INVALID_ARGUMENT, lambda: disk_engine.fork(first, name="0123456789abcdef"))
+    assert [c.id for c in disk_engine.capsules.list()] == [first.id]
+
+
 def test_disk_tier_without_a_folder_is_refused(tiny_engine):
     tiny_engine.prefill(PROMPT)
     _refused(tiny_engine, ErrorCode.INVALID_ARGUMENT, lambda: tiny_engine.snapshot(tier="disk"))

@@ -13,6 +13,7 @@ from .errors import InvalidCapsuleRequest
 
 TIERS = ("device", "host", "disk")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_ID = re.compile(r"[0-9a-f]{16}")   # secrets.token_hex(8), as the store makes ids
 
 
 class RegionLike(Protocol):
@@ -55,6 +56,8 @@ def check_name(name: str | None) -> str:
         shown = name if isinstance(name, str) and len(name) < 80 else f"{str(name)[:77]}..."
         raise InvalidCapsuleRequest(
             f"invalid capsule name {shown!r}: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit, no '..'")
+    if _ID.fullmatch(name):   # lookups try ids first: such a name could reach another capsule
+        raise InvalidCapsuleRequest(f"invalid capsule name {name!r}: 16 hex digits is the form of a capsule id")
     return name
 
 
