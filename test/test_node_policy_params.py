@@ -70,10 +70,16 @@ def test_policy_steps_publish_actions_equal_to_the_engine(ros_context):
     from flashrt_ros.ros.observation import build_observation
     from flashrt_ros.runtime import Engine, ModelConfig
 
-    h = Harness(ros_context)
+    from rclpy.qos import DurabilityPolicy, QoSProfile
+
+    from flashrt_ros.msg import RuntimeStatus
+
+    h = Harness(ros_context)   # status_rate 0: status on change only
     try:
-        actions = []
+        actions, statuses = [], []
         h.client.create_subscription(JointTrajectoryPoint, "/flashrt/action", actions.append, 50)
+        h.client.create_subscription(RuntimeStatus, "/flashrt/status", statuses.append,
+                                     QoSProfile(depth=10, durability=DurabilityPolicy.TRANSIENT_LOCAL))
         joints, poses = h.policy_publishers()
         deadline = time.monotonic() + 10
         while h.node.count_publishers("/flashrt/action") == 0 and time.monotonic() < deadline:
@@ -93,6 +99,10 @@ def test_policy_steps_publish_actions_equal_to_the_engine(ros_context):
         assert len(actions) == 5
         assert h.node._counters["rejected_observations"] == 2
         assert h.node.engine.position == 5
+        # Policy steps change the state: "on change" status follows them, not only service calls.
+        while (not statuses or statuses[-1].position != 5) and time.monotonic() < deadline + 10:
+            time.sleep(0.02)
+        assert statuses[-1].position == 5
 
         reference = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512)
         good = [m for m in inputs if len(m.name) == 7]

@@ -120,6 +120,43 @@ def test_request_id_makes_snapshot_idempotent(live):
     _refused(h.call("snapshot", name="s", request_id="bt-tick-7"), ErrorCode.UNKNOWN_CAPSULE)
 
 
+def test_a_snapshot_retry_answers_the_capsule_it_made_whatever_happened_since(live):
+    """A behaviour tree that timed out retries later: the answer is the first capsule and
+    its position (what the tree rolls back to), even after more tokens and a new default tier."""
+    from rclpy.parameter import Parameter
+
+    h = live
+    _prefill(h, 19)
+    first = h.call("snapshot", request_id="tick-1")
+    _, result = h.generate(max_new_tokens=5)
+    assert wait_future(result).result.success
+    assert h.node.set_parameters([Parameter("default_tier", value="host")])[0].successful
+    again = h.call("snapshot", request_id="tick-1")
+    _ok(again)
+    assert again.capsule_id == first.capsule_id and again.position == first.position == 19
+
+
+def test_fork_answers_the_id_it_forked_from_also_when_asked_by_name(live):
+    h = live
+    _prefill(h)
+    start = h.call("snapshot", name="start")
+    fork = h.call("fork", source_id="start", name="branch")
+    _ok(fork)
+    assert fork.source_id == start.capsule_id == fork.capsule.parent
+
+
+def test_a_tiny_status_rate_is_refused_and_the_node_keeps_serving(live):
+    from rclpy.parameter import Parameter
+
+    h = live
+    before = h.node.get_parameter("status_rate").value
+    result = h.node.set_parameters([Parameter("status_rate", value=1e-12)])[0]
+    assert not result.successful and "status_rate" in result.reason
+    assert h.node.get_parameter("status_rate").value == before
+    _prefill(h)
+    _ok(h.call("snapshot"))
+
+
 def test_inactive_node_answers_not_active_to_everything(live):
     h = live
     h.node.trigger_deactivate()

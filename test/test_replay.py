@@ -75,3 +75,89 @@ def test_unreadable_bags_exit_2(tmp_path):
     meta = not_ours / "metadata.yaml"
     meta.write_text(meta.read_text().replace("/flashrt/journal/session", "/other/topic"))
     assert replay_main([str(not_ours)]) == 2
+
+
+def _session(ros_context, tmp_path, params: dict, work) -> Path:
+    """Run ``work(harness)`` on a node journaling into tmp_path; return the bag."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "test"))
+    from ros_harness import Harness
+
+    h = Harness(ros_context, {"journal_path": str(tmp_path / "journal"), **params})
+    try:
+        work(h)
+        h.node.trigger_deactivate()
+        h.node.trigger_cleanup()
+    finally:
+        h.close()
+    return next((tmp_path / "journal").glob("session-*"))
+
+
+def test_refused_request_ids_and_a_spill_switch_replay_identically(ros_context, tmp_path):
+    """Refusals the node makes from its own state (a request_id reused with other fields)
+    and from parameters changed at run time (spill off) must come out the same on replay."""
+    from rclpy.parameter import Parameter
+    from ros_harness import wait_future
+
+    def work(h):
+        _, result = h.generate(token_ids=list(range(1, 20)), max_new_tokens=2)
+        assert wait_future(result).result.success
+        assert not h.call("snapshot", request_id="x" * 300).success
+        assert h.call("snapshot", name="s", request_id="r1").success
+        assert not h.call("snapshot", name="other", request_id="r1").success
+        assert h.node.set_parameters([Parameter("spill", value=False)])[0].successful
+        refused = next(r for r in (h.call("snapshot") for _ in range(64)) if not r.success)
+        assert "spill is off" in refused.message
+
+    bag = _session(ros_context, tmp_path, {"budgets.device_mb": 1}, work)
+    assert [e.kind for e in read_bag(bag).entries].count("spill") == 1
+    assert replay_main([str(bag)]) == 0
+
+
+def test_a_journal_that_cannot_write_stops_and_changes_no_answer(ros_context, tmp_path):
+    import errno
+
+    from ros_harness import wait_future
+
+    def work(h):
+        _, result = h.generate(token_ids=list(range(1, 20)), max_new_tokens=0)
+        assert wait_future(result).result.success
+
+        def disk_full(entry):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        h.node.journal.listeners.append(disk_full)
+        made = h.call("snapshot", name="s1")
+        assert made.success, made.message
+        assert h.node.journal is None
+        assert h.call("snapshot", name="s1").error_code == 2   # INVALID_ARGUMENT: the name is taken
+        _, result = h.generate(max_new_tokens=3)
+        assert wait_future(result).result.success
+
+    _session(ros_context, tmp_path, {}, work)
+
+
+def test_cleanup_frees_the_engine_even_when_the_journal_folder_is_gone(ros_context, tmp_path):
+    from ros_harness import wait_future
+
+    def work(h):
+        _, result = h.generate(token_ids=list(range(1, 20)), max_new_tokens=0)
+        assert wait_future(result).result.success
+        for folder in (tmp_path / "journal").glob("session-*"):
+            shutil.rmtree(folder)
+        h.node.trigger_deactivate()
+        h.node.trigger_cleanup()
+        assert h.node.engine is None and h.node._label == "unconfigured"
+        h.node.trigger_configure()
+        h.node.trigger_activate()
+        assert h.call("snapshot").success
+
+    _session(ros_context, tmp_path, {}, work)
+
+
+def test_a_bag_with_a_malformed_entry_exits_2(tmp_path):
+    journal = read_bag(COMMITTED)
+    drop = next(e for e in journal.entries if e.kind == "drop")
+    drop.request.clear()   # no capsule_id
+    write_bag(tmp_path / "malformed", journal)
+    assert replay_main([str(tmp_path / "malformed")]) == 2

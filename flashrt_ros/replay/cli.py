@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         journal = read_bag(args.bag)
+        threads = journal.session.get("torch_threads")
+        if threads:   # see session_of: the split of elementwise work must be the recorded one
+            torch.set_num_threads(int(threads))
         engine = engine_for(journal.session, args.device)
-    except (FlashRTError, OSError, ValueError, KeyError) as exc:
-        print(f"flashrt-replay: cannot replay {args.bag}: {exc}", file=sys.stderr)
+    except (FlashRTError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"flashrt-replay: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     session = journal.session
     print(f"replaying {len(journal.entries)} operations from {args.bag} "
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(recorded with torch {session.get('torch', 'unknown')}, replayed with {torch.__version__}: "
               "replay is byte-exact on the same torch and flashrt_ros build only)", file=sys.stderr)
         return 1
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:   # an entry missing what its kind needs
+        print(f"flashrt-replay: cannot replay {args.bag}: malformed entry ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
     finally:
         # Stop the digest thread before the interpreter exits. A mismatch right after a
         # snapshot can leave it hashing inside torch, and a daemon thread killed there at

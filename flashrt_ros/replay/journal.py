@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..errors import FlashRTError
+from ..snapshot_requests import SnapshotRequests
 
-# Kinds of entries, and the engine call each one replays as.
+# Kinds of entries, and the engine call each one replays as. SPILL is the spill
+# parameter changed at run time: it decides later refusals and evictions.
 PREFILL, DECODE, STEP = "prefill", "decode", "step"
 SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP = "snapshot", "fork", "restore", "rollback", "drop"
-KINDS = (PREFILL, DECODE, STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP)
+SPILL = "spill"
+KINDS = (PREFILL, DECODE, STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP, SPILL)
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,12 @@ class ReplayReport:
 def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
     """Apply ``entries`` to ``engine`` in order; raise ReplayMismatch at the first difference."""
     ids: dict[str, str] = {}
+    requests = SnapshotRequests()
     report = ReplayReport()
     for entry in entries:
         out = entry.outcome
         try:
-            produced = _apply(entry, engine, ids)
+            produced = _apply(entry, engine, ids, requests)
             code = 0
         except FlashRTError as exc:
             produced, code = {}, int(exc.code)
@@ -109,11 +113,11 @@ def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
             _same(entry, "state_digest", out["state_digest"], engine.state_digest())
         report.tokens += entry.kind == DECODE
         report.actions += entry.kind == STEP
-        report.capsule_calls += entry.kind not in (PREFILL, DECODE, STEP)
+        report.capsule_calls += entry.kind not in (PREFILL, DECODE, STEP, SPILL)
     return report
 
 
-def _apply(entry: Entry, engine: Any, ids: dict[str, str]) -> dict[str, Any]:
+def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotRequests) -> dict[str, Any]:
     req = entry.request
     if entry.kind == PREFILL:
         engine.prefill(req["token_ids"])
@@ -123,8 +127,16 @@ def _apply(entry: Entry, engine: Any, ids: dict[str, str]) -> dict[str, Any]:
     if entry.kind == STEP:
         return {"action": action_bytes(engine.step(req["observation"]))}
     if entry.kind == SNAPSHOT:
+        # Only first requests and refusals are recorded: a repeat changes nothing.
+        rid = req.get("request_id", "")
+        fields = (req.get("name", ""), req.get("requested_tier", req["tier"]), bool(req.get("pin")))
+        requests.earlier(rid, fields)
         info = engine.snapshot(name=req.get("name") or None, tier=req["tier"], pin=bool(req.get("pin")))
+        requests.remember(rid, fields, info.id)
         return {"capsule_id": info.id}
+    if entry.kind == SPILL:
+        engine.capsules.spill = bool(req["spill"])
+        return {}
     if entry.kind == FORK:
         source = req.get("source_id", "")
         info = engine.fork(ids.get(source, source) or None, name=req.get("name") or None)

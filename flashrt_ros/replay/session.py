@@ -24,7 +24,11 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "layout_fingerprint": engine.layout_fingerprint,
             # Replay is byte-exact on the same kernels: another torch (or another
             # flashrt_ros attention path) may round differently.
-            "torch": torch.__version__}
+            "torch": torch.__version__,
+            # And at the same thread count: torch splits a large elementwise op (SiLU,
+            # softplus) over its threads, and the last few elements of each share take
+            # a scalar path that can round differently (prefill only; decode rows are small).
+            "torch_threads": torch.get_num_threads()}
 
 
 def engine_for(session: dict[str, Any], device: str = "cpu") -> Engine:

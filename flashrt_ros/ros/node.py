@@ -41,6 +41,7 @@ from ..replay.bag import BagWriter
 from ..replay.session import session_of
 from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
+from ..snapshot_requests import SnapshotRequests
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
 from .convert import info_msg, outcome
@@ -51,8 +52,6 @@ from .telemetry import Latencies, diagnostics_msg, status_msg
 
 _STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
 _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-_REQUEST_IDS = 1024      # remembered Snapshot request_ids (oldest forgotten first)
-_MAX_REQUEST_ID = 256
 _DIRTY_POLL_S = 0.05     # "on change" status goes out within this
 
 
@@ -74,7 +73,7 @@ class FlashRTNode(LifecycleNode):
         self._active = False
         self._joint_names: list[str] = []
         self._generation = threading.Lock()
-        self._requests: OrderedDict[str, tuple[tuple, str]] = OrderedDict()
+        self._requests = SnapshotRequests()
         self._latest_pose: PoseStamped | None = None
         self._latencies = Latencies()
         self._counters = {"requests": 0, "failed_requests": 0, "policy_steps": 0, "rejected_observations": 0}
@@ -172,7 +171,9 @@ class FlashRTNode(LifecycleNode):
     def _start_journal(self, vals: dict[str, Any]) -> None:
         folder = Path(vals["journal_path"])
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"session-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._configures}"
+        # The node name too: two nodes of one process may share journal_path and start in the same second.
+        path = folder / (f"session-{time.strftime('%Y%m%d-%H%M%S')}-{self.get_name()}-{os.getpid()}"
+                         f"-{self._configures}")
         journal = J.Journal(session=session_of(self.engine, vals["model_path"], vals["seed"]))
         self._bag = BagWriter(path, journal.session)
         journal.listeners.append(self._bag)
@@ -180,10 +181,12 @@ class FlashRTNode(LifecycleNode):
         self.get_logger().info(f"journal: recording into {path}")
 
     def _free(self) -> None:
-        if self._bag is not None:
-            self._bag.close()
-            self._bag = None
-            self.journal = None
+        bag, self._bag, self.journal = self._bag, None, None
+        if bag is not None:
+            try:
+                bag.close()
+            except Exception as exc:  # e.g. its folder was deleted: the engine is freed all the same
+                self.get_logger().error(f"journal could not be closed: {exc}")
         engine = self.engine
         if engine is None:
             return
@@ -199,8 +202,11 @@ class FlashRTNode(LifecycleNode):
         result = params.check(changed)
         if result.successful:
             for p in changed:
-                if p.name == "spill" and self.engine is not None:
-                    self.engine.capsules.spill = bool(p.value)
+                engine = self.engine
+                if p.name == "spill" and engine is not None:
+                    with engine.lock:   # journaled in order: it decides later refusals and evictions
+                        engine.capsules.spill = bool(p.value)
+                        self._record(J.SPILL, {"spill": bool(p.value)}, engine, None, {})
                 elif p.name == "status_rate" and hasattr(self, "_timer_group"):  # not while declaring
                     self._restart_status_timer(p.value)
         return result
@@ -236,7 +242,7 @@ class FlashRTNode(LifecycleNode):
                     raise
                 if journal is not None and self.journal is not None and not extra.get("repeat"):
                     self._record(kind, journal, engine, None, extra)
-                response.position = engine.position
+                response.position = extra.get("position", engine.position)
             message = extra.get("message", "ok")
         except Exception as exc:
             code, message = outcome(exc)
@@ -257,12 +263,21 @@ class FlashRTNode(LifecycleNode):
 
     def _record(self, kind: str, request: dict, engine: Engine, exc: BaseException | None,
                 extra: dict | None = None) -> None:
+        """Journal one operation. The operation has happened (or been refused) already, so a
+        journal that cannot write stops recording, with an error logged, and changes no answer."""
+        journal = self.journal
+        if journal is None:
+            return
         out = {"error_code": outcome(exc)[0] if exc else 0, "position": engine.position}
         if exc is None:
-            out.update({k: v for k, v in (extra or {}).items() if k not in ("message", "repeat")})
-            if kind not in (J.PREFILL, J.DECODE, J.STEP):  # capsule calls: check the whole state on replay
+            out.update({k: v for k, v in (extra or {}).items() if k not in ("message", "repeat", "position")})
+            if kind not in (J.PREFILL, J.DECODE, J.STEP, J.SPILL):  # capsule calls: check the whole state
                 out["state_digest"] = engine.state_digest()
-        self.journal.record(kind, request, out)
+        try:
+            journal.record(kind, request, out)
+        except Exception as exc:
+            self.journal = None   # a journal with a gap would not replay: stop it here
+            self.get_logger().error(f"journal stopped: recording {kind} failed ({exc}); the node keeps serving")
 
     @property
     def serving(self) -> bool:
@@ -271,34 +286,28 @@ class FlashRTNode(LifecycleNode):
     def note_state_change(self, kind: str, request: dict, extra: dict) -> None:
         """Called holding the engine lock after a prefill, decode or policy step."""
         self._version += 1
-        if self.journal is not None:
-            self._record(kind, request, self.engine, None, extra)
+        self._record(kind, request, self.engine, None, extra)
+        self._dirty.set()   # "on change" status: sent within the poll interval, not per step
 
     def _snapshot(self, request: Snapshot.Request, response: Snapshot.Response) -> Snapshot.Response:
         tier = request.tier or self.get_parameter("default_tier").value
-        fields = (request.name, tier, request.pin)
+        fields = (request.name, request.tier, request.pin)
 
         def call(engine: Engine):
             rid = request.request_id
-            if len(rid) > _MAX_REQUEST_ID:
-                raise InvalidArgument(f"request_id is {len(rid)} characters; at most {_MAX_REQUEST_ID}")
-            if rid and rid in self._requests:
-                earlier, capsule_id = self._requests[rid]
-                if earlier != fields:
-                    raise InvalidArgument(f"request_id {rid!r} was used with (name, tier, pin) = {earlier}, "
-                                          f"now {fields}: a request_id names one snapshot")
+            capsule_id = self._requests.earlier(rid, fields)
+            if capsule_id is not None:
                 info = engine.capsules.get(capsule_id, wait=False)
                 return self._fill(response, info), {"message": f"repeat of request_id {rid!r}: same capsule",
-                                                    "capsule_id": info.id, "repeat": True}
+                                                    "capsule_id": info.id, "position": info.position,
+                                                    "repeat": True}
             info = engine.snapshot(name=request.name or None, tier=tier, pin=request.pin)
-            if rid:
-                self._requests[rid] = (fields, info.id)
-                while len(self._requests) > _REQUEST_IDS:
-                    self._requests.popitem(last=False)
+            self._requests.remember(rid, fields, info.id)
             return self._fill(response, info), {"capsule_id": info.id}
 
         return self._serve(J.SNAPSHOT, response, call, {"name": request.name, "tier": tier, "pin": request.pin,
-                                                       "request_id": request.request_id})
+                                                       "request_id": request.request_id,
+                                                       "requested_tier": request.tier})
 
     def _restore(self, request: Restore.Request, response: Restore.Response) -> Restore.Response:
         def call(engine: Engine):
@@ -311,7 +320,7 @@ class FlashRTNode(LifecycleNode):
     def _fork(self, request: Fork.Request, response: Fork.Response) -> Fork.Response:
         def call(engine: Engine):
             info = engine.fork(request.source_id or None, name=request.name or None)
-            response.source_id = request.source_id
+            response.source_id = info.parent if request.source_id else ""   # an id, also when named
             return self._fill(response, info), {"capsule_id": info.id}
 
         return self._serve(J.FORK, response, call, {"source_id": request.source_id, "name": request.name})

@@ -84,6 +84,9 @@ def values(node: Any) -> dict[str, Any]:
     return {p.name: node.get_parameter(p.name).value for p in PARAMS}
 
 
+MIN_STATUS_RATE = 1e-3   # one status every 1000 s
+
+
 def check(parameters: list) -> SetParametersResult:
     """Value checks beyond type and range (which rclpy applies from the descriptors)."""
     for parameter in parameters:
@@ -100,6 +103,9 @@ def _reason(name: str, value: Any) -> str:
         return f"{value!r} is not one of {', '.join(DTYPES)}"
     if name == "default_tier" and value not in TIERS:
         return f"{value!r} is not one of {', '.join(TIERS)}"
+    if name == "status_rate" and 0.0 < value < MIN_STATUS_RATE:
+        # The timer period is 1 / rate in integer nanoseconds: a tiny rate overflows it.
+        return f"{value} Hz is below {MIN_STATUS_RATE} Hz; use 0 for status on change only"
     if name == "policy.joint_names":
         if any(not n for n in value):
             return "joint names must not be empty"
