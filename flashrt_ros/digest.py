@@ -18,12 +18,16 @@ class _Region(Protocol):
 
 
 def state_digest(regions: Iterable[_Region], position: int, read: Callable[[int, int], object]) -> str:
-    """``read(start, end)`` returns a buffer with the bytes at arena offsets [start, end)."""
+    """``read(start, end)`` returns the bytes at arena offsets [start, end): one buffer, or a
+    list of buffers in order (hashed one after another, which is the same as hashing them
+    joined, without the copy)."""
     h = hashlib.blake2b(digest_size=32)
     for r in regions:
         n = r.live_bytes(position)
         if n:
-            h.update(read(r.offset, r.offset + n))
+            data = read(r.offset, r.offset + n)
+            for part in data if isinstance(data, list) else (data,):
+                h.update(part)
     return h.hexdigest()
 
 

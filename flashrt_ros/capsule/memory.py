@@ -17,11 +17,12 @@ _ALIGN = 256
 class Chunk:
     """An immutable run of bytes shared by the capsules that reference it."""
 
-    __slots__ = ("tier", "data", "offset", "refs", "landed")
+    __slots__ = ("tier", "data", "offset", "refs", "landed", "_array")
 
     def __init__(self, tier: str, data: torch.Tensor, offset: int = -1) -> None:
         self.tier, self.data, self.offset, self.refs = tier, data, offset, 0
         self.landed = None   # a CUDA event after copies from the GPU that did not wait
+        self._array = None
 
     @property
     def nbytes(self) -> int:
@@ -38,6 +39,17 @@ class Chunk:
         landed = self.landed
         if landed is not None:
             landed.synchronize()
+
+    def readable(self, offset: int, nbytes: int):
+        """Bytes [offset, offset + nbytes) for the CPU to read, as a NumPy array: a view on a
+        CPU chunk (sliced without torch calls, which the digest thread makes many of while
+        the caller's thread wants the interpreter back), a copy from a GPU one."""
+        self.wait()
+        if self.data.device.type != "cpu":
+            return self.data[offset:offset + nbytes].cpu().numpy()
+        if self._array is None:
+            self._array = self.data.numpy()
+        return self._array[offset:offset + nbytes]
 
 
 class DevicePool:

@@ -434,12 +434,10 @@ class CapsuleStore:
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
         covering = record.pieces_in(start, end) if pieces is None else _slice(pieces, start, end)
-        for p in covering:
-            p.chunk.wait()
-        parts = [p.view().cpu().numpy() for p in covering]
+        parts = [p.chunk.readable(p.offset, p.end - p.start) for p in covering]
         if sum(p.size for p in parts) != end - start:
             raise CorruptCapsule(f"capsule {record.info.id} does not cover arena bytes [{start}, {end})")
-        return parts[0] if len(parts) == 1 else b"".join(p.tobytes() for p in parts)
+        return parts
 
     def _allocate(self, tier: str, nbytes: int, spare: Record | None = None) -> Chunk:
         """A chunk of ``nbytes`` on ``tier``, spilling (never ``spare``) to make room."""
@@ -635,7 +633,7 @@ def _range_reader(ranges: Sequence[tuple[int, int]], data: torch.Tensor) -> Call
                 parts.append(array[off + lo - s:off + hi - s])
         if sum(p.size for p in parts) != end - start:
             raise CorruptCapsule(f"capsule data does not cover arena bytes [{start}, {end})")
-        return parts[0] if len(parts) == 1 else b"".join(p.tobytes() for p in parts)
+        return parts
     return read
 
 
