@@ -161,3 +161,32 @@ def test_a_bag_with_a_malformed_entry_exits_2(tmp_path):
     drop.request.clear()   # no capsule_id
     write_bag(tmp_path / "malformed", journal)
     assert replay_main([str(tmp_path / "malformed")]) == 2
+
+
+def test_a_session_that_restores_a_capsule_found_on_disk_at_start_replays(ros_context, tmp_path):
+    """The second configure loads the first session's disk capsule: replay copies it from
+    capsule_dir (or --capsule-dir), and says what is missing when it is gone."""
+    from ros_harness import wait_future
+
+    capsules = tmp_path / "capsules"
+
+    def work(h):
+        _, result = h.generate(token_ids=list(range(1, 20)), max_new_tokens=2)
+        assert wait_future(result).result.success
+        assert h.call("snapshot", name="keep", tier="disk").success
+        h.node.trigger_deactivate()
+        h.node.trigger_cleanup()        # session 1 ends; session 2 starts from the file
+        h.node.trigger_configure()
+        h.node.trigger_activate()
+        assert h.call("restore", capsule_id="keep").success
+        _, result = h.generate(max_new_tokens=2)
+        assert wait_future(result).result.success
+
+    _session(ros_context, tmp_path, {"capsule_dir": str(capsules)}, work)
+    second = sorted((tmp_path / "journal").glob("session-*"))[-1]
+    assert [c["id"] for c in read_bag(second).session["preloaded"]] == [p.stem for p in capsules.glob("*.capsule")]
+    assert replay_main([str(second)]) == 0
+    moved = tmp_path / "moved"
+    shutil.move(capsules, moved)
+    assert replay_main([str(second)]) == 2
+    assert replay_main([str(second), "--capsule-dir", str(moved)]) == 0

@@ -22,13 +22,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bag", help="rosbag2 folder (MCAP) written by flashrt_node's journal_path")
     parser.add_argument("--device", default="cpu", help="torch device of the fresh engine (default cpu)")
+    parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
+                        "(default: the capsule_dir it recorded); they are copied, never changed")
     args = parser.parse_args(argv)
     try:
         journal = read_bag(args.bag)
         threads = journal.session.get("torch_threads")
         if threads:   # see session_of: the split of elementwise work must be the recorded one
             torch.set_num_threads(int(threads))
-        engine = engine_for(journal.session, args.device)
+        engine = engine_for(journal.session, args.device, args.capsule_dir)
     except (FlashRTError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"flashrt-replay: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -1,12 +1,15 @@
 """What a replay needs to rebuild the engine a session ran on."""
 from __future__ import annotations
 
+import shutil
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..capsule import TIERS
+from ..capsule.diskformat import path_for
 from ..errors import InvalidArgument
 from ..runtime import Engine
 
@@ -28,14 +31,25 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # And at the same thread count: torch splits a large elementwise op (SiLU,
             # softplus) over its threads, and the last few elements of each share take
             # a scalar path that can round differently (prefill only; decode rows are small).
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(),
+            # Disk capsules found in capsule_dir at start: the session may restore them.
+            "capsule_dir": str(store.dir or ""),
+            "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
 
 
-def engine_for(session: dict[str, Any], device: str = "cpu") -> Engine:
-    """A fresh engine like the recorded one; refuses if its fingerprints come out different."""
+def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None) -> Engine:
+    """A fresh engine like the recorded one; refuses if its fingerprints come out different.
+
+    Its disk tier is a new temporary folder, holding copies of the capsules the
+    session found at start, taken from ``capsule_dir`` (default: the recorded one).
+    """
     if session.get("version") != VERSION:
         raise InvalidArgument(f"session format version {session.get('version')!r}, this replay reads {VERSION}")
-    capsule_dir = tempfile.mkdtemp(prefix="flashrt-replay-") if session["disk_tier"] else None
+    preloaded = session.get("preloaded", [])
+    if session["disk_tier"]:
+        folder = tempfile.mkdtemp(prefix="flashrt-replay-")
+        _copy_preloaded(preloaded, Path(capsule_dir or session.get("capsule_dir", "")), Path(folder))
+        capsule_dir = folder
     engine = Engine.load(session["model_path"], seed=session["seed"],
                          policy_dims=(session["obs_dim"], session["action_dim"]), device=device,
                          dtype=getattr(torch, session["dtype"]), max_seq_len=session["max_seq_len"],
@@ -45,4 +59,19 @@ def engine_for(session: dict[str, Any], device: str = "cpu") -> Engine:
         if getattr(engine, key) != session[key]:
             raise InvalidArgument(f"the rebuilt engine's {key} differs from the recorded one: "
                                   f"different weights or layout ({session['model_path'] or 'embedded default'})")
+    loaded = {c.id: c.digest for c in engine.capsules.list()}
+    for capsule in preloaded:
+        if loaded.get(capsule["id"]) != capsule["digest"]:
+            engine.close()
+            raise InvalidArgument(f"capsule {capsule['id']}, which the session started with, did not load "
+                                  f"with its recorded digest (see the warnings above)")
     return engine
+
+
+def _copy_preloaded(preloaded: list[dict], source: Path, folder: Path) -> None:
+    for capsule in preloaded:
+        path = path_for(source, capsule["id"])
+        if not path.is_file():
+            raise InvalidArgument(f"the session started with capsule {capsule['id']} from {source}, which is not "
+                                  f"there now: pass the folder that holds {path.name} with --capsule-dir")
+        shutil.copyfile(path, path_for(folder, capsule["id"]))
