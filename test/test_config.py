@@ -76,6 +76,17 @@ def test_bad_configs_name_the_problem(change, words):
 
 def test_missing_required_field_is_named():
     raw = ModelConfig.tiny().to_hf_config()
-    del raw["linear_key_head_dim"]
-    with pytest.raises(InvalidArgument, match="linear_key_head_dim"):
+    del raw["intermediate_size"]
+    with pytest.raises(InvalidArgument, match="intermediate_size"):
         ModelConfig.from_hf_config(raw)
+
+
+def test_fields_left_out_take_the_defaults_transformers_gives_them():
+    from transformers import Qwen3_5TextConfig
+
+    raw = ModelConfig.tiny().to_hf_config()
+    omitted = ("num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+    raw = {k: v for k, v in raw.items() if k not in omitted}
+    ours, theirs = ModelConfig.from_hf_config(raw), Qwen3_5TextConfig(**raw)
+    assert {k: getattr(ours, k) for k in omitted} == {k: getattr(theirs, k) for k in omitted}
