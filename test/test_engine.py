@@ -156,6 +156,15 @@ def test_policy_step_turns_one_observation_into_one_action_at_a_boundary():
     assert all(torch.equal(x, y) for x, y in zip(actions, replay))
 
 
+def test_returned_logits_and_actions_are_the_callers_to_change_in_place():
+    engine = Engine.from_config(POLICY)
+    logits = engine.prefill([1, 2, 3])
+    expected = logits / 0.7
+    assert torch.equal(logits.div_(0.7), expected)       # temperature, in place
+    assert engine.logits().add_(1.0).shape == logits.shape
+    assert engine.step([0.5] * 10).mul_(2.0).shape == (4,)
+
+
 def test_policy_steps_and_tokens_share_one_backbone_state():
     engine = Engine.from_config(POLICY)
     engine.prefill(PROMPT)

@@ -57,6 +57,11 @@ def test_mtp_and_policy_weights_are_loaded_when_present_and_seeded_when_absent(h
     assert loaded.seeded_weights == ()
     assert loaded.model_fingerprint == Engine(cfg, weights).model_fingerprint
     assert torch.equal(loaded.step(torch.ones(6)), Engine(cfg, weights).step(torch.ones(6)))
+    # policy_dims of other sizes replace the stored heads (seeded anew); the same sizes keep them.
+    other = Engine.from_pretrained(tmp_path, policy_dims=(4, 2))
+    assert sorted(n for n in other.seeded_weights) == sorted(n for n in weights if n.startswith("policy."))
+    assert other.step(torch.ones(4)).shape == (2,)
+    assert Engine.from_pretrained(tmp_path, policy_dims=(6, 3)).seeded_weights == ()
 
 
 def test_fingerprint_changes_with_one_weight_element():

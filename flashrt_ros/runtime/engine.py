@@ -103,11 +103,13 @@ class Engine:
         self._base = None  # (capsule record, p): live per-token rows [0:p] equal that capsule's
         # 4. warm up + 5. capture graphs (the warm-up writes state, so zero it after)
         self.cuda_graphs = bool(opts["cuda_graphs"]) and self.device.type == "cuda"
-        self._fixed_shapes = self.cuda_graphs or bool(opts["static_shapes"])
+        # Decode over every cache row with a mask (what a graph needs) rather than the live rows:
+        # the same tokens, other roundings, so a replay must know which.
+        self.fixed_shapes = self.cuda_graphs or bool(opts["static_shapes"])
         self._obs_in = self._action_out = None
         with torch.inference_mode():
             self._token_step = Step(
-                lambda: self.model.token_step(self.model.decode_span(self._position, self._fixed_shapes)),
+                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes)),
                 capture=self.cuda_graphs)
             self._policy_step = None
             if cfg.policy:
@@ -115,7 +117,7 @@ class Engine:
                 self._action_out = torch.zeros(cfg.action_dim, device=self.device)
                 self._policy_step = Step(
                     lambda: self.model.policy_step(self._obs_in, self._action_out,
-                                                   self.model.decode_span(self._position, self._fixed_shapes)),
+                                                   self.model.decode_span(self._position, self.fixed_shapes)),
                     capture=self.cuda_graphs)
             self.arena.buffer.zero_()
             self._ring.push(self.arena.buffer, 0)
@@ -221,7 +223,7 @@ class Engine:
         with self._work():
             self._check_room(ids.numel())
             self._commit_prefill(ids.to(self.device))
-            return self.model.logits()[0].float()
+            return _handed_out(self.model.logits()[0].float())
 
     def _commit_prefill(self, ids: torch.Tensor) -> None:
         start = self._position
@@ -250,7 +252,7 @@ class Engine:
     def logits(self) -> torch.Tensor:
         """Next-token logits [vocab] of the current state (fp32)."""
         with self._work():
-            return self.model.logits()[0].float()
+            return _handed_out(self.model.logits()[0].float())
 
     def generate(self, n: int) -> list[int]:
         """Greedy: append ``n`` tokens, one committed boundary each; return them."""
@@ -299,7 +301,7 @@ class Engine:
         with self._work(step=True):
             self._check_room(1)
             self._commit_step(obs)
-            return self._action_out.cpu().clone()
+            return _handed_out(self._action_out.cpu())
 
     # ---- capsules --------------------------------------------------------------------------------
     def snapshot(self, name: str | None = None, tier: str = "device", pin: bool = False) -> CapsuleInfo:
@@ -473,6 +475,13 @@ class Engine:
             raise InvalidArgument(
                 f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
                 f"(position is {self._position})")
+
+
+def _handed_out(t: torch.Tensor) -> torch.Tensor:
+    """A copy the caller owns, as a normal tensor: what runs under inference mode makes
+    inference tensors, which refuse in-place changes (``logits.div_(t)``) outside it."""
+    with torch.inference_mode(False):
+        return t.clone()
 
 
 def _is_int(value: Any) -> bool:

@@ -170,7 +170,8 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     Returns the config, fp32-or-stored-dtype weights by canonical name, and the
     names that were absent and seeded (only ``mtp.*`` and ``policy.*`` may be).
     ``policy_dims`` (obs_dim, action_dim) overrides the config's policy heads,
-    e.g. to drive a language checkpoint from robot observations.
+    e.g. to drive a language checkpoint from robot observations; heads stored
+    with other sizes are then left out and new ones seeded.
     """
     path = Path(path)
     if not path.is_dir():
@@ -178,8 +179,11 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint {path} has no config.json")
     cfg = ModelConfig.from_json(path / "config.json")
+    replaced_heads = False
     if policy_dims is not None:
+        stored = (cfg.obs_dim, cfg.action_dim)
         cfg = dataclasses.replace(cfg, obs_dim=int(policy_dims[0]), action_dim=int(policy_dims[1]))
+        replaced_heads = stored != (cfg.obs_dim, cfg.action_dim)
     shapes = expected_shapes(cfg)
     weights: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
@@ -188,6 +192,10 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
                 for raw_name in reader.keys():
                     name = _canonical(raw_name)
                     if name is None:
+                        continue
+                    if replaced_heads and name.startswith("policy."):
+                        log.warning("policy_dims %s replaces the stored head %s: seeding a new one",
+                                    tuple(policy_dims), raw_name)
                         continue
                     if name not in shapes:
                         if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
