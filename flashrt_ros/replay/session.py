@@ -32,6 +32,8 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # softplus) over its threads, and the last few elements of each share take
             # a scalar path that can round differently (prefill only; decode rows are small).
             "torch_threads": torch.get_num_threads(),
+            # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
+            "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
             # Disk capsules found in capsule_dir at start: the session may restore them.
             "capsule_dir": str(store.dir or ""),
             "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
@@ -54,7 +56,9 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
                          policy_dims=(session["obs_dim"], session["action_dim"]), device=device,
                          dtype=getattr(torch, session["dtype"]), max_seq_len=session["max_seq_len"],
                          rollback_depth=session["rollback_depth"], budgets=session["budgets"] or None,
-                         spill=session["spill"], capsule_dir=capsule_dir)
+                         spill=session["spill"], capsule_dir=capsule_dir,
+                         cuda_graphs=session.get("cuda_graphs", True),
+                         static_shapes=session.get("fixed_shapes", False))
     for key in ("model_fingerprint", "layout_fingerprint"):
         if getattr(engine, key) != session[key]:
             raise InvalidArgument(f"the rebuilt engine's {key} differs from the recorded one: "
