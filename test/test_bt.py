@@ -37,10 +37,38 @@ def test_attempt_with_rollback_succeeds_after_rolling_back(live):
 
     root = attempt_with_rollback(live.client)
     assert _tick_until_done(root) == Status.SUCCESS
-    grasp = next(b for b in root.iterate() if b.name == "grasp")
-    assert grasp.attempts == 2                         # failed once, rolled back, succeeded
+    grasps = {b.name: b for b in root.iterate() if b.name.startswith("grasp ") and hasattr(b, "attempts")}
+    assert grasps["grasp 1"].attempts == grasps["grasp 2"].attempts == 1   # failed, rolled back, succeeded
+    assert next(b for b in root.iterate() if b.name == "roll back 1").status == Status.SUCCESS
     assert live.node.engine.capsules.list() == []      # the checkpoint was released
     assert live.node._counters["policy_steps"] == 12
+
+
+def test_a_failed_rollback_ends_the_tree_without_a_retry_and_drops_the_checkpoint(live):
+    from flashrt_ros.bt.examples import attempt_with_rollback
+    from flashrt_ros.errors import InvalidArgument
+
+    def refuse(steps=1, to_position=None):
+        raise InvalidArgument("cannot roll back (test)")
+    live.node.engine.rollback = refuse
+    root = attempt_with_rollback(live.client)
+    assert _tick_until_done(root) == Status.FAILURE
+    assert next(b for b in root.iterate() if b.name == "grasp 2").status == Status.INVALID   # never ran
+    assert _blackboard("flashrt_error")["name"] == "INVALID_ARGUMENT"                       # the cause stays
+    assert live.node.engine.capsules.list() == []
+    # Nothing is left behind to make the next run fail.
+    del live.node.engine.rollback
+    py_trees.blackboard.Blackboard.clear()
+    assert _tick_until_done(attempt_with_rollback(live.client)) == Status.SUCCESS
+
+
+def test_a_failed_exploration_drops_the_forks_it_made(live):
+    from flashrt_ros.bt.examples import explore_and_commit
+
+    root = explore_and_commit(live.client, branches=3, tokens=600)   # past max_seq_len: "try 0" is refused
+    assert _tick_until_done(root) == Status.FAILURE
+    assert _blackboard("flashrt_error")["name"] == "INVALID_ARGUMENT"
+    assert live.node.engine.capsules.list() == []
 
 
 def test_explore_and_commit_keeps_the_best_branch_and_drops_the_rest(live):
@@ -113,7 +141,9 @@ def test_absent_server_fails_with_no_server(live):
     assert _blackboard("flashrt_error")["code"] == NO_SERVER
 
 
-def test_halt_mid_call_then_retry_gets_the_same_capsule_from_the_node(live):
+def test_a_snapshot_halted_mid_call_runs_anew_and_its_orphan_is_dropped(live):
+    """A halted branch that runs again wants the state of then: a new request_id, and the
+    capsule the halted call made (answered, unseen) is dropped when its answer arrives."""
     from flashrt_ros.bt.behaviours import Snapshot
 
     from ros_harness import wait_future
@@ -127,11 +157,16 @@ def test_halt_mid_call_then_retry_gets_the_same_capsule_from_the_node(live):
     assert behaviour.status == Status.RUNNING
     first_id = behaviour.request_id
     behaviour.stop(Status.INVALID)                  # halted: the call is in flight or answered unseen
-    time.sleep(0.3)                                 # the node has answered by now; the answer is dropped
+    assert first_id and behaviour.request_id == ""
+    _, result = live.generate(max_new_tokens=3)     # the state moves on before the branch runs again
+    assert wait_future(result).result.success
     assert _tick_until_done(behaviour) == Status.SUCCESS
+    deadline = time.monotonic() + 5
+    while len(live.node.engine.capsules.list()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     capsules = live.node.engine.capsules.list()
-    assert len(capsules) == 1 and _blackboard("snap_capsule") == capsules[0].id
-    assert first_id and behaviour.request_id == ""  # cleared once answered
+    assert [c.id for c in capsules] == [_blackboard("snap_capsule")]
+    assert capsules[0].position == live.node.engine.position   # the state of the second run
 
 
 def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
@@ -152,6 +187,55 @@ def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
     assert not live.node._generation.locked()
 
 
+def test_generate_run_again_after_a_halt_waits_for_the_canceled_goal(live):
+    from flashrt_ros.bt.behaviours import Generate
+
+    behaviour = Generate("gen", live.client, "out", prompt="x", max_new_tokens=400)
+    tree = py_trees.trees.BehaviourTree(behaviour)
+    tree.setup(timeout=10)
+    deadline = time.monotonic() + 10
+    while live.node.engine.position < 10 and time.monotonic() < deadline:
+        tree.tick()
+        time.sleep(0.005)
+    behaviour.stop(Status.INVALID)                   # preempted, then handed control back at once
+    behaviour.max_new_tokens = 4
+    assert _tick_until_done(behaviour) == Status.SUCCESS, _blackboard("flashrt_error")
+    assert len(_blackboard("out")["tokens"]) == 4
+
+
+def test_generate_canceled_by_another_client_fails(live):
+    from action_msgs.srv import CancelGoal
+
+    from flashrt_ros.bt.behaviours import CANCELED, Generate
+    from ros_harness import wait_future
+
+    behaviour = Generate("plan", live.client, "plan", prompt="x", max_new_tokens=300)
+    tree = py_trees.trees.BehaviourTree(behaviour)
+    tree.setup(timeout=10)
+    deadline = time.monotonic() + 20
+    while live.node.engine.position < 10 and time.monotonic() < deadline:
+        tree.tick()
+        time.sleep(0.005)
+    cancel = live.client.create_client(CancelGoal, "/flashrt/generate/_action/cancel_goal")
+    assert cancel.wait_for_service(timeout_sec=5)
+    wait_future(cancel.call_async(CancelGoal.Request()))   # another executive cancels every goal
+    while behaviour.status == Status.RUNNING and time.monotonic() < deadline:
+        tree.tick()
+        time.sleep(0.005)
+    assert behaviour.status == Status.FAILURE
+    assert _blackboard("flashrt_error")["code"] == CANCELED
+
+
+def test_tree_setup_against_an_absent_node_is_bounded_and_fails_at_the_first_tick(live):
+    from flashrt_ros.bt.behaviours import NO_SERVER
+    from flashrt_ros.bt.examples import explore_and_commit, run_tree
+
+    start = time.monotonic()
+    assert run_tree(explore_and_commit(live.client, server="/nobody"), setup_timeout_s=30) == Status.FAILURE
+    assert time.monotonic() - start < 15
+    assert _blackboard("flashrt_error")["code"] == NO_SERVER
+
+
 def test_behaviortree_cpp_xml_mirrors_the_python_tree_and_names_real_services():
     import xml.etree.ElementTree as ET
     from pathlib import Path
@@ -161,14 +245,17 @@ def test_behaviortree_cpp_xml_mirrors_the_python_tree_and_names_real_services():
     root = ET.parse(Path(__file__).resolve().parents[1] / "docs" / "attempt_with_rollback.xml").getroot()
     assert root.get("BTCPP_format") == "4"
     names = [e.get("name") for e in root.iter() if e.get("name")]
-    assert names == ["attempt with rollback", "plan", "checkpoint", "grasp or roll back", "grasp", "then retry",
-                     "roll back", "release checkpoint"]
+    assert names == ["attempt with rollback, cleaned up", "attempt with rollback", "plan", "checkpoint",
+                     "grasp 1, or roll back and try again", "grasp 1", "roll back 1", "roll back 1", "grasp 2",
+                     "release checkpoint", "after a failure", "clean up checkpoint", "drop checkpoint", "then fail"]
     services = {e.get("service_name") for e in root.iter() if e.get("service_name")}
     assert services <= {f"/flashrt/{s}" for s in SERVICES}
     assert {e.get("action_name") for e in root.iter() if e.get("action_name")} == {"/flashrt/generate"}
     for e in root.iter():
-        if e.tag.startswith("Flashrt"):
-            assert e.get("error_code") == "{error_code}" and e.get("error_message") == "{error_message}"
+        if e.tag.startswith("Flashrt"):   # the cleanup reports apart, so the task's own error stays
+            prefix = "cleanup_" if e.get("name") == "drop checkpoint" else ""
+            assert (e.get("error_code"), e.get("error_message")) == (f"{{{prefix}error_code}}",
+                                                                   f"{{{prefix}error_message}}")
 
 
 class _ManualFuture:

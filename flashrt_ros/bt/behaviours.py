@@ -7,9 +7,11 @@ blackboard under ``error_key`` and to the log), when no answer arrives within
 ``timeout_s``, or when the server is not there. An answer that arrives after a
 timeout or a halt belongs to an abandoned attempt and is ignored.
 
-Snapshot sends a ``request_id``. It is kept when the attempt is halted or times
-out, so the retry asks for the same snapshot and the node answers with the same
-capsule; it is cleared once an answer has been read. Restore and Drop are
+Snapshot sends a ``request_id``. It is kept when the attempt times out, so the
+retry asks for the same snapshot and the node answers with the same capsule;
+it is cleared once an answer has been read, and when the behaviour is halted:
+a halted branch that runs again later wants the state of then, not the
+capsule of its abandoned try, which is dropped when its answer comes in. Restore and Drop are
 idempotent by nature; Fork and Rollback(steps) are not (a halt after the node
 applied them and a retry apply them twice): retry those only from a state
 you restore first.
@@ -26,6 +28,7 @@ from typing import Any
 
 import py_trees
 from py_trees.common import Access, Status
+from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
 
 from ..action import Generate as GenerateAction
@@ -54,6 +57,7 @@ class _ActionClient(ActionClient):
 
 TIMEOUT = -1          # error_code written for a call that got no answer in time
 NO_SERVER = -2        # error_code written when the service or action server is absent
+CANCELED = -3         # error_code written when another client canceled the goal
 
 
 class _Call(py_trees.behaviour.Behaviour):
@@ -73,8 +77,16 @@ class _Call(py_trees.behaviour.Behaviour):
 
     def setup(self, **kwargs: Any) -> None:
         """Give discovery time to find the server (up to ``wait_for_server_s``); a server
-        still absent then is reported as NO_SERVER when the behaviour runs, not here."""
-        self._wait_for_server(min(self.wait_for_server_s, float(kwargs.get("timeout", self.wait_for_server_s))))
+        still absent then is reported as NO_SERVER when the behaviour runs, not here.
+
+        ``deadline`` (a ``time.monotonic()`` value, passed through ``tree.setup``) bounds
+        the waits of all behaviours together: py_trees keeps ``timeout`` to itself, and
+        twenty behaviours waiting in turn for an absent server would outlast it.
+        """
+        seconds = self.wait_for_server_s
+        if kwargs.get("deadline") is not None:
+            seconds = max(0.0, min(seconds, float(kwargs["deadline"]) - time.monotonic()))
+        self._wait_for_server(seconds)
 
     def _wait_for_server(self, seconds: float) -> None:
         raise NotImplementedError
@@ -111,7 +123,7 @@ class _Call(py_trees.behaviour.Behaviour):
                 self._maybe_late(future)
 
     def _fail(self, code: int, message: str) -> Status:
-        name = {TIMEOUT: "TIMEOUT", NO_SERVER: "NO_SERVER"}.get(code) or ErrorCode(code).name
+        name = {TIMEOUT: "TIMEOUT", NO_SERVER: "NO_SERVER", CANCELED: "CANCELED"}.get(code) or ErrorCode(code).name
         self.bb.set(self.error_key, {"behaviour": self.name, "code": code, "name": name, "message": message})
         self.feedback_message = f"{name}: {message}"
         self.logger.warning(f"{self.name} failed: {name}: {message}")
@@ -196,6 +208,8 @@ class Snapshot(_ServiceCall):
         if position_key:
             self._key(position_key, Access.WRITE)
         self.request_id = ""
+        self._halted: set = set()   # futures abandoned by a halt: their capsules are orphans
+        self._drop = node.create_client(DropSrv, f"{self.server}/drop_capsule")
 
     def request(self) -> Any:
         if not self.request_id:
@@ -205,6 +219,21 @@ class Snapshot(_ServiceCall):
 
     def answered(self, response: Any) -> None:
         self.request_id = ""
+
+    def terminate(self, new_status: Status) -> None:
+        if new_status == Status.INVALID:
+            self.request_id = ""
+            if self._future is not None:
+                self._halted.add(self._future)
+        super().terminate(new_status)
+
+    def _late(self, future) -> None:
+        if future not in self._halted:
+            return   # a timed-out try: the retry asks for this very capsule by its request_id
+        self._halted.discard(future)
+        response = None if future.cancelled() or future.exception() is not None else future.result()
+        if response is not None and response.success:
+            self._drop.call_async(DropSrv.Request(capsule_id=response.capsule_id))
 
     def on_success(self, response: Any) -> None:
         self.bb.set(self.capsule_key, response.capsule_id)
@@ -269,10 +298,27 @@ class Drop(_ServiceCall):
 
     srv_type, service = DropSrv, "drop_capsule"
 
-    def __init__(self, name: str, node: Any, capsule_key: str, **kwargs: Any) -> None:
+    def __init__(self, name: str, node: Any, capsule_key: str, if_set: bool = False, **kwargs: Any) -> None:
+        """``if_set``: succeed without a call when ``capsule_key`` holds nothing (cleanup
+        after a branch that failed before it made the capsule)."""
         super().__init__(name, node, **kwargs)
-        self.capsule_key = capsule_key
+        self.capsule_key, self.if_set = capsule_key, if_set
         self._key(capsule_key, Access.READ)
+
+    def _nothing_to_drop(self) -> bool:
+        return self.if_set and not self.bb.exists(self.capsule_key)
+
+    def initialise(self) -> None:
+        if self._nothing_to_drop():
+            self._future = None
+            return
+        super().initialise()
+
+    def update(self) -> Status:
+        if self._future is None and self._nothing_to_drop():
+            self.feedback_message = f"nothing in {self.capsule_key}"
+            return Status.SUCCESS
+        return super().update()
 
     def request(self) -> Any:
         return self.srv_type.Request(capsule_id=self.bb.get(self.capsule_key))
@@ -282,7 +328,9 @@ class Generate(_Call):
     """Run the generate action; the result's tokens and text go to ``result_key``.
 
     A halt or a timeout cancels the goal on the node (it stops at the next
-    committed boundary).
+    committed boundary); run again, the behaviour sends its new goal once the
+    canceled one has ended (the node runs one goal at a time). A goal canceled
+    by another client is a FAILURE (CANCELED), not a short result.
     """
 
     def __init__(self, name: str, node: Any, result_key: str, prompt: str = "", max_new_tokens: int = 16,
@@ -294,20 +342,37 @@ class Generate(_Call):
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
         self._key(result_key, Access.WRITE)
         self._goal = None
+        self._ending = None     # the result future of a goal this behaviour canceled
+        self._waiting = False   # initialised, goal not sent yet: the canceled one still runs
 
     def _wait_for_server(self, seconds: float) -> None:
         self.client.wait_for_server(timeout_sec=seconds)
 
     def initialise(self) -> None:
         self._future, self._goal = None, None
+        self._waiting = True
+        self._deadline = time.monotonic() + self.timeout_s
+        self._send_when_free()
+
+    def _send_when_free(self) -> None:
+        if self._ending is not None and not self._ending.done():
+            return
+        self._ending = None
         if not self.client.server_is_ready():
             return
+        self._waiting = False
         goal = self.action.Goal(prompt=self.prompt, max_new_tokens=self.max_new_tokens)
         self._send(self.client.send_goal_async(goal))
 
     def update(self) -> Status:
-        if self._future is None and self._goal is None and not self.client.server_is_ready():
-            return self._fail(NO_SERVER, "generate action server is not available")
+        if self._waiting:
+            self._send_when_free()
+        if self._waiting:
+            if self._ending is None:
+                return self._fail(NO_SERVER, "generate action server is not available")
+            if time.monotonic() > self._deadline:
+                return self._fail(TIMEOUT, f"the goal canceled earlier did not end within {self.timeout_s:g} s")
+            return Status.RUNNING
         answer = self._poll()
         if answer is None:
             return Status.RUNNING
@@ -323,8 +388,10 @@ class Generate(_Call):
             return Status.RUNNING
         self._goal = None
         result = answer.result
-        if not result.success:
-            return self._fail(result.error_code, result.message)
+        if answer.status == GoalStatus.STATUS_CANCELED:
+            return self._fail(CANCELED, f"goal canceled after {len(result.tokens)} tokens")
+        if not result.success or answer.status != GoalStatus.STATUS_SUCCEEDED:
+            return self._fail(result.error_code or ErrorCode.INTERNAL, result.message)
         self.bb.set(self.result_key, {"tokens": list(result.tokens), "text": result.text,
                                       "ttft_ms": result.ttft_ms, "position": result.position})
         return Status.SUCCESS
@@ -341,9 +408,11 @@ class Generate(_Call):
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID:
             self._cancel()
+        self._waiting = False
         super().terminate(new_status)
 
     def _cancel(self) -> None:
         if self._goal is not None:
             self._goal.cancel_goal_async()
+            self._ending = self._goal.get_result_async()   # done once the node has stopped it
             self._goal = None

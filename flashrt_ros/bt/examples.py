@@ -4,13 +4,16 @@
     python -m flashrt_ros.bt.examples explore-and-commit [--branches 3]
 
 attempt-with-rollback: plan (generate), snapshot before the risky grasp, try
-it; on failure roll back to the snapshot's position and retry (the first
-attempt fails on purpose), then drop the snapshot. (Rollback replays from the
-nearest kept boundary; Restore of the snapshot would do the same in one copy.)
+it; on failure roll back to the snapshot's position and try again (the first
+attempt fails on purpose). A rollback that fails ends the tree in FAILURE: a
+retry from a state that was not rolled back would be a different task. The
+snapshot is dropped however the tree ends, halts aside. (Rollback replays
+from the nearest kept boundary; Restore of the snapshot would do the same in
+one copy.)
 
 explore-and-commit: fork N branches of the live state, run each for a few
 tokens and snapshot its end, keep the best end as the live state, drop the
-rest.
+rest; on a failure, drop what the tree made so far.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from typing import Any, Sequence
 import py_trees
 from py_trees.common import Status
 from py_trees.composites import Selector, Sequence as Seq
-from py_trees.decorators import Retry, SuccessIsFailure
+from py_trees.behaviours import Failure
+from py_trees.decorators import FailureIsSuccess
 
 from .behaviours import Drop, Fork, Generate, Restore, Rollback, Snapshot
 from .skills import PickBest, PolicySteps
@@ -33,18 +37,36 @@ JOINTS = tuple(f"joint{i}" for i in range(1, 8))
 
 def attempt_with_rollback(node: Any, server: str = "/flashrt", joints: Sequence[str] = JOINTS,
                           fail_attempts: int = 1, steps: int = 6) -> py_trees.behaviour.Behaviour:
-    grasp = PolicySteps("grasp", node, joints, steps=steps, server=server, fail_attempts=fail_attempts)
-    roll_back = SuccessIsFailure("then retry", Rollback("roll back", node, to_position_key="checkpoint_position",
-                                                        server=server))
-    return Seq("attempt with rollback", memory=True, children=[
+    # Attempt k: grasp, or else roll back and go on to attempt k + 1 (a rollback that
+    # fails fails the whole chain). The first ``fail_attempts`` grasps fail on purpose.
+    attempt: py_trees.behaviour.Behaviour = PolicySteps(
+        f"grasp {fail_attempts + 1}", node, joints, steps=steps, server=server)
+    for k in range(fail_attempts, 0, -1):
+        attempt = Selector(f"grasp {k}, or roll back and try again", memory=True, children=[
+            PolicySteps(f"grasp {k}", node, joints, steps=steps, server=server, fail_attempts=1),
+            Seq(f"roll back {k}", memory=True, children=[
+                Rollback(f"roll back {k}", node, to_position_key="checkpoint_position", server=server),
+                attempt]),
+        ])
+    task = Seq("attempt with rollback", memory=True, children=[
         Generate("plan", node, "plan", prompt="plan: pick the red cube, place it on the tray.",
                  max_new_tokens=8, server=server),
-        Snapshot("checkpoint", node, "checkpoint", capsule_name="before-grasp", pin=True,
-                 position_key="checkpoint_position", server=server),
-        Retry("retry grasp", Selector("grasp or roll back", memory=True, children=[grasp, roll_back]),
-              num_failures=fail_attempts + 2),
+        Snapshot("checkpoint", node, "checkpoint", pin=True, position_key="checkpoint_position", server=server),
+        attempt,
         Drop("release checkpoint", node, "checkpoint", server=server),
     ])
+    return _cleaned_up(task, node, server, ["checkpoint"])
+
+
+def _cleaned_up(task: py_trees.behaviour.Behaviour, node: Any, server: str,
+                keys: Sequence[str]) -> py_trees.behaviour.Behaviour:
+    """``task``, or, when it fails, drop the capsules it left in ``keys`` and fail. The
+    drops report to their own error key, so the task's own error stays on the blackboard."""
+    cleanup = [FailureIsSuccess(f"clean up {key}", Drop(f"drop {key}", node, key, if_set=True, server=server,
+                                                        error_key="flashrt_cleanup_error"))
+               for key in keys]   # each one tried: a capsule dropped already is no reason to stop
+    return Selector(f"{task.name}, cleaned up", memory=True, children=[
+        task, Seq("after a failure", memory=True, children=[*cleanup, Failure("then fail")])])
 
 
 def explore_and_commit(node: Any, server: str = "/flashrt", branches: int = 3,
@@ -56,7 +78,7 @@ def explore_and_commit(node: Any, server: str = "/flashrt", branches: int = 3,
         Snapshot(f"end {i}", node, f"end{i}", server=server),
     ]) for i in range(branches)]
     losers = [f"loser{j}" for j in range(branches - 1)]
-    return Seq("explore and commit", memory=True, children=[
+    task = Seq("explore and commit", memory=True, children=[
         Generate("context", node, "context", prompt="task: sort the parts by colour.", max_new_tokens=4,
                  server=server),
         *forks, *explore,
@@ -66,6 +88,9 @@ def explore_and_commit(node: Any, server: str = "/flashrt", branches: int = 3,
         *[Drop(f"drop fork {i}", node, f"branch{i}", server=server) for i in range(branches)],
         *[Drop(f"drop {key}", node, key, server=server) for key in losers],
     ])
+    # After a failure the ends may not have been picked yet: drop every branch and end.
+    return _cleaned_up(task, node, server, [f"branch{i}" for i in range(branches)] +
+                       [f"end{i}" for i in range(branches)])
 
 
 TREES = {"attempt-with-rollback": attempt_with_rollback, "explore-and-commit": explore_and_commit}
@@ -75,7 +100,8 @@ def run_tree(root: py_trees.behaviour.Behaviour, period_s: float = 0.01, timeout
              setup_timeout_s: float = 30.0) -> Status:
     """Tick until the root finishes (or ``timeout_s``); returns its status."""
     tree = py_trees.trees.BehaviourTree(root)
-    tree.setup(timeout=setup_timeout_s)
+    # One discovery window shared by every behaviour (see _Call.setup), inside py_trees' own timeout.
+    tree.setup(timeout=setup_timeout_s, deadline=time.monotonic() + min(5.0, setup_timeout_s / 2))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         tree.tick()

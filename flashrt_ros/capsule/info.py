@@ -49,7 +49,8 @@ class CapsuleInfo:
 
 
 def check_name(name: str | None) -> str:
-    """Names are labels, never paths: letters, digits, '_', '.', '-', at most 128, no '..'."""
+    """Names are labels, never paths: letters, digits, '_', '.', '-', at most 128, no '..', and never
+    the form of a capsule id (16 hex digits)."""
     if name is None or name == "":
         return ""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
