@@ -62,13 +62,15 @@ def test_a_failed_rollback_ends_the_tree_without_a_retry_and_drops_the_checkpoin
     assert _tick_until_done(attempt_with_rollback(live.client)) == Status.SUCCESS
 
 
-def test_a_failed_exploration_drops_the_forks_it_made(live):
+def test_a_failed_exploration_drops_the_forks_it_made_and_nothing_an_earlier_run_kept(live):
     from flashrt_ros.bt.examples import explore_and_commit
 
+    assert _tick_until_done(explore_and_commit(live.client, branches=3)) == Status.SUCCESS
+    kept = [c.id for c in live.node.engine.capsules.list()]            # the best end of the first run
     root = explore_and_commit(live.client, branches=3, tokens=600)   # past max_seq_len: "try 0" is refused
     assert _tick_until_done(root) == Status.FAILURE
     assert _blackboard("flashrt_error")["name"] == "INVALID_ARGUMENT"
-    assert live.node.engine.capsules.list() == []
+    assert [c.id for c in live.node.engine.capsules.list()] == kept
 
 
 def test_explore_and_commit_keeps_the_best_branch_and_drops_the_rest(live):
@@ -245,7 +247,8 @@ def test_behaviortree_cpp_xml_mirrors_the_python_tree_and_names_real_services():
     root = ET.parse(Path(__file__).resolve().parents[1] / "docs" / "attempt_with_rollback.xml").getroot()
     assert root.get("BTCPP_format") == "4"
     names = [e.get("name") for e in root.iter() if e.get("name")]
-    assert names == ["attempt with rollback, cleaned up", "attempt with rollback", "plan", "checkpoint",
+    assert names == ["attempt with rollback, cleaned up", "attempt with rollback, or clean up",
+                     "attempt with rollback", "plan", "checkpoint",
                      "grasp 1, or roll back and try again", "grasp 1", "roll back 1", "roll back 1", "grasp 2",
                      "release checkpoint", "after a failure", "clean up checkpoint", "drop checkpoint", "then fail"]
     services = {e.get("service_name") for e in root.iter() if e.get("service_name")}

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import py_trees
 from py_trees.common import Status
 from py_trees.composites import Selector, Sequence as Seq
-from py_trees.behaviours import Failure
+from py_trees.behaviours import Failure, UnsetBlackboardVariable
 from py_trees.decorators import FailureIsSuccess
 
 from .behaviours import Drop, Fork, Generate, Restore, Rollback, Snapshot
@@ -60,13 +60,18 @@ def attempt_with_rollback(node: Any, server: str = "/flashrt", joints: Sequence[
 
 def _cleaned_up(task: py_trees.behaviour.Behaviour, node: Any, server: str,
                 keys: Sequence[str]) -> py_trees.behaviour.Behaviour:
-    """``task``, or, when it fails, drop the capsules it left in ``keys`` and fail. The
-    drops report to their own error key, so the task's own error stays on the blackboard."""
+    """``task``, or, when it fails, drop the capsules it left in ``keys`` and fail.
+
+    The keys are cleared first, so that a failure drops only what this run made, never
+    a capsule an earlier run kept (explore-and-commit keeps its best end). The drops
+    report to their own error key, so the task's own error stays on the blackboard."""
+    forget = [UnsetBlackboardVariable(f"forget {key}", key) for key in keys]
     cleanup = [FailureIsSuccess(f"clean up {key}", Drop(f"drop {key}", node, key, if_set=True, server=server,
                                                         error_key="flashrt_cleanup_error"))
                for key in keys]   # each one tried: a capsule dropped already is no reason to stop
-    return Selector(f"{task.name}, cleaned up", memory=True, children=[
-        task, Seq("after a failure", memory=True, children=[*cleanup, Failure("then fail")])])
+    return Seq(f"{task.name}, cleaned up", memory=True, children=[*forget, Selector(
+        f"{task.name}, or clean up", memory=True, children=[
+            task, Seq("after a failure", memory=True, children=[*cleanup, Failure("then fail")])])])
 
 
 def explore_and_commit(node: Any, server: str = "/flashrt", branches: int = 3,
