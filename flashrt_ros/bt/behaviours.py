@@ -11,10 +11,10 @@ Snapshot sends a ``request_id``. It is kept when the attempt times out, so the
 retry asks for the same snapshot and the node answers with the same capsule;
 it is cleared once an answer has been read, and when the behaviour is halted:
 a halted branch that runs again later wants the state of then, not the
-capsule of its abandoned try, which is dropped when its answer comes in. Restore and Drop are
-idempotent by nature; Fork and Rollback(steps) are not (a halt after the node
-applied them and a retry apply them twice): retry those only from a state
-you restore first.
+capsule of its abandoned try, which is dropped when its answer comes in.
+Restore and Drop are idempotent by nature; Fork and Rollback(steps) are not
+(a halt after the node applied them and a retry apply them twice): retry
+those only from a state you restore first.
 
 The node passed in must be spun by an executor in another thread (the tree is
 ticked from this one).

@@ -97,8 +97,8 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         if tensor is None:
             raise CheckpointError(f"weights have no tensor {name}")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.element_size() < 2:
-            raise CheckpointError(f"tensor {name} is {getattr(tensor, 'dtype', type(tensor).__name__)}; "
-                                  f"expected float16, bfloat16, float32 or float64 (quantized weights are not supported)")
+            raise CheckpointError(f"tensor {name} is {getattr(tensor, 'dtype', type(tensor).__name__)}; expected "
+                                  f"float16, bfloat16, float32 or float64 (quantized weights are not supported)")
         if tuple(tensor.shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, config implies {shape}")
 
