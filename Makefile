@@ -24,6 +24,12 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 .DELETE_ON_ERROR:
 
+# make splits paths at spaces: a wildcard comes back empty, a bare `cat` then waits on
+# stdin, and a stamp becomes two targets, one of them outside the checkout.
+ifneq ($(words $(CURDIR)),1)
+  $(error the checkout's path "$(CURDIR)" contains a space, which make cannot handle: clone it to a path without one)
+endif
+
 # The wheels' bootstrapper re-executes every venv Python with LD_LIBRARY_PATH
 # set, unless this guard is inherited; an inherited guard breaks `import rclpy`.
 unexport _ROS_WHEELS_BOOTSTRAP_COMPLETE
@@ -151,6 +157,16 @@ $(BUILD_STAMP): $(VENV_STAMP) $(BUILD_INPUTS)
 	  rest=$$!
 	fi
 	echo "==> colcon build ($(SETUP_KEY))"
+	# --symlink-install links files one by one and never removes one: drop the links
+	# whose source is gone, then the folders left with nothing but bytecode, or a
+	# deleted subpackage stays importable from install/ as an empty namespace package.
+	for site in install/flashrt_ros/lib/python3*/site-packages/flashrt_ros; do
+	  [ -d "$$site" ] || continue
+	  find "$$site" -xtype l -delete
+	  find "$$site" -mindepth 1 -depth -type d ! -name __pycache__ | while read -r dir; do
+	    if [ -z "$$(ls -A "$$dir" | grep -vx __pycache__ || true)" ]; then rm -rf "$$dir"; fi
+	  done
+	done
 	# The wheels setup builds with Ninja; a build folder that another
 	# generator configured (an older checkout) cannot be reused.
 	cache=build/flashrt_ros/CMakeCache.txt

@@ -24,7 +24,9 @@ def package_version() -> str:
 
 
 def runtime_requirements() -> list[str]:
-    """requirements/runtime.txt, with its tested pins as lower bounds."""
+    """requirements/runtime.txt, with its tested pins as lower bounds: an exact torch pin
+    would make pip replace a platform's own build (JetPack). Where no torch is installed,
+    pip then takes the newest PyPI build, a CUDA one: the README says to install torch first."""
     reqs = []
     for line in (ROOT / "requirements" / "runtime.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
