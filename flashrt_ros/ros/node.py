@@ -17,7 +17,6 @@ import os
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
