@@ -171,16 +171,22 @@ def test_a_snapshot_halted_mid_call_runs_anew_and_its_orphan_is_dropped(live):
     assert capsules[0].position == live.node.engine.position   # the state of the second run
 
 
-def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
+def _generating(live, result_key: str, max_new_tokens: int, position: int):
+    """A Generate behaviour ticked until the node's position reaches ``position``: (behaviour, tree)."""
     from flashrt_ros.bt.behaviours import Generate
 
-    behaviour = Generate("long", live.client, "long_result", prompt="x", max_new_tokens=400)
+    behaviour = Generate(result_key, live.client, result_key, prompt="x", max_new_tokens=max_new_tokens)
     tree = py_trees.trees.BehaviourTree(behaviour)
     tree.setup(timeout=10)
     deadline = time.monotonic() + 10
-    while live.node.engine.position < 5 and time.monotonic() < deadline:
+    while live.node.engine.position < position and time.monotonic() < deadline:
         tree.tick()
-        time.sleep(0.01)
+        time.sleep(0.005)
+    return behaviour, tree
+
+
+def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
+    behaviour, _ = _generating(live, "long_result", 400, 5)
     behaviour.stop(Status.INVALID)
     time.sleep(0.5)
     position = live.node.engine.position
@@ -190,15 +196,7 @@ def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
 
 
 def test_generate_run_again_after_a_halt_waits_for_the_canceled_goal(live):
-    from flashrt_ros.bt.behaviours import Generate
-
-    behaviour = Generate("gen", live.client, "out", prompt="x", max_new_tokens=400)
-    tree = py_trees.trees.BehaviourTree(behaviour)
-    tree.setup(timeout=10)
-    deadline = time.monotonic() + 10
-    while live.node.engine.position < 10 and time.monotonic() < deadline:
-        tree.tick()
-        time.sleep(0.005)
+    behaviour, _ = _generating(live, "out", 400, 10)
     behaviour.stop(Status.INVALID)                   # preempted, then handed control back at once
     behaviour.max_new_tokens = 4
     assert _tick_until_done(behaviour) == Status.SUCCESS, _blackboard("flashrt_error")
@@ -208,16 +206,11 @@ def test_generate_run_again_after_a_halt_waits_for_the_canceled_goal(live):
 def test_generate_canceled_by_another_client_fails(live):
     from action_msgs.srv import CancelGoal
 
-    from flashrt_ros.bt.behaviours import CANCELED, Generate
+    from flashrt_ros.bt.behaviours import CANCELED
     from ros_harness import wait_future
 
-    behaviour = Generate("plan", live.client, "plan", prompt="x", max_new_tokens=300)
-    tree = py_trees.trees.BehaviourTree(behaviour)
-    tree.setup(timeout=10)
-    deadline = time.monotonic() + 20
-    while live.node.engine.position < 10 and time.monotonic() < deadline:
-        tree.tick()
-        time.sleep(0.005)
+    behaviour, tree = _generating(live, "plan", 300, 10)
+    deadline = time.monotonic() + 10
     cancel = live.client.create_client(CancelGoal, "/flashrt/generate/_action/cancel_goal")
     assert cancel.wait_for_service(timeout_sec=5)
     wait_future(cancel.call_async(CancelGoal.Request()))   # another executive cancels every goal
