@@ -20,7 +20,8 @@ import time
 import torch
 
 from ..runtime import Engine, ModelConfig
-from .common import add_ttft_prefixes, bench_main, interleaved, machine, matmul_rate, sync, timed, verdict
+from .common import (add_ttft_prefixes, bench_main, copy_pair, interleaved, machine, matmul_rate, sync, timed,
+                     verdict)
 
 SUFFIX = 64
 
@@ -35,8 +36,7 @@ def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]
         engine.reset()
         engine.prefill(_ids(position, position))
         nbytes = sum(e - s for s, e in engine.capsules.layout.ranges(position))
-        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
+        src, dst = copy_pair(nbytes, dev)
         held = engine.snapshot()
 
         def snap() -> float:
