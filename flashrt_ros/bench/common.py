@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..runtime.hugepages import empty_huge
+from ..hugepages import empty_huge
 
 
 def machine() -> str:

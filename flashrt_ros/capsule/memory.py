@@ -11,6 +11,8 @@ import bisect
 
 import torch
 
+from ..hugepages import empty_huge
+
 _ALIGN = 256
 
 
@@ -57,7 +59,8 @@ class DevicePool:
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # Huge pages on a CPU, as the arena has: snapshot and restore stream between the two.
+        self.buffer = empty_huge((nbytes,), torch.uint8, device)
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []   # sorted (offset, size)
 
     @staticmethod

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 import torch
 
 from ..digest import state_digest
-from .hugepages import empty_huge
+from ..hugepages import empty_huge
 
 GROUPS = ("kv", "recurrent", "conv", "mtp", "meta")
 _ALIGN = 256  # bytes; keeps every view aligned for vector loads and cudaMemcpy

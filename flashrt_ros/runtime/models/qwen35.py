@@ -16,7 +16,7 @@ from .. import gated_delta
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
 from ..config import FULL, LINEAR, ModelConfig
-from ..hugepages import empty_huge
+from ...hugepages import empty_huge
 from ..layers import apply_rope, gated_rms_norm, project, rms_norm, rope_tables, swiglu_mlp
 
 
