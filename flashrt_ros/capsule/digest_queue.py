@@ -1,6 +1,8 @@
 """Capsule digests computed in the background, with exact accounting of what they hold.
 
 A digest job reads its capsule's chunks, so it holds them until it is settled.
+A record's digest is final once its job is FINISHED (or it has no job): waiters
+wait on the queue's one condition, so a snapshot creates no event of its own.
 A capsule that leaves the store (dropped or evicted) settles its job at once:
 a job not yet started is cancelled, one in progress is waited for (one hash
 at most). So the bytes a tier counts are always those of the capsules in it,
@@ -21,10 +23,11 @@ QUEUED, RUNNING, FINISHED, SETTLED = "queued", "running", "finished", "settled"
 
 
 class Job:
-    __slots__ = ("record", "pieces", "state")
+    __slots__ = ("record", "pieces", "state", "waited")
 
     def __init__(self, record: Any, pieces: list) -> None:
         self.record, self.pieces, self.state = record, pieces, QUEUED
+        self.waited = False   # a thread holding ``lock`` waits for it, and settles it itself
 
 
 class DigestQueue:
@@ -34,7 +37,12 @@ class DigestQueue:
         # Weak: the worker thread must not keep a dropped engine's store (and its memory) alive.
         self._compute_ref, self._release_ref = weakref.WeakMethod(compute), weakref.WeakMethod(release)
         self._lock = lock
-        self._cond = threading.Condition()
+        # One lock, two conditions: the worker waits for work on ``_cond``, callers wait for a
+        # running job on ``_done``. Sharing one condition woke the worker for every finished
+        # job, and its spurious turn for the interpreter delayed the caller's next call.
+        guard = threading.Lock()
+        self._cond = threading.Condition(guard)
+        self._done = threading.Condition(guard)
         self._queue: deque[Job | None] = deque()
         self._worker = threading.Thread(target=self._run, name="capsule-digest", daemon=True)
         self._worker.start()
@@ -56,11 +64,11 @@ class DigestQueue:
             if job.state == QUEUED:
                 self._queue.remove(job)
                 job.state = FINISHED
-        if job.state == RUNNING:
-            # The worker announces ``hashed`` before it takes the lock, so this wait ends.
-            record.hashed.wait()
+            if job.state == RUNNING:
+                # The worker announces FINISHED before it takes the lock, so this wait ends.
+                job.waited = True
+                self._done.wait_for(lambda: job.state != RUNNING)
         self._settle(job)
-        record.hashed.set()
 
     def finish(self, record: Any) -> None:
         """Make the record's digest final and release its job's hold, now (``lock`` held).
@@ -81,9 +89,12 @@ class DigestQueue:
                 log.exception("digest of capsule %s failed", record.info.id)
             with self._cond:
                 job.state = FINISHED
-            record.hashed.set()
-        elif job.state == RUNNING:
-            record.hashed.wait()  # the worker is hashing this very record: no lock needed for that
+                self._done.notify_all()
+        else:
+            with self._cond:  # the worker may be hashing this very record: no lock needed for that
+                if job.state == RUNNING:
+                    job.waited = True
+                    self._done.wait_for(lambda: job.state != RUNNING)
         self._settle(job)
 
     def close(self) -> None:
@@ -127,10 +138,12 @@ class DigestQueue:
             except Exception:  # a digest failure must never kill the worker
                 log.exception("digest of capsule %s failed", job.record.info.id)
             finally:
+                # Announce first, settle after: a waiter may hold the lock the release needs.
                 with self._cond:
                     if job.state == RUNNING:
                         job.state = FINISHED
-                # Announce first, settle after: a waiter may hold the lock the release needs.
-                job.record.hashed.set()
-                with self._lock:
-                    self._settle(job)
+                    self._done.notify_all()
+                    mine = not job.waited
+                if mine:  # else the waiter settles it: queueing for its lock would only delay its next call
+                    with self._lock:
+                        self._settle(job)

@@ -85,13 +85,12 @@ class Piece(NamedTuple):
 class Record:
     """A capsule inside the store: its info, where its bytes are, and its boundary log."""
 
-    __slots__ = ("info", "_pieces", "log", "last_used", "hashed", "path", "job", "_plans")
+    __slots__ = ("info", "_pieces", "log", "last_used", "path", "job", "_plans")
 
     def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
         self.info, self.pieces, self.log, self.path = info, pieces, log_runs, path
         self.last_used = time.monotonic()
-        self.hashed = threading.Event()
-        self.job = None
+        self.job = None   # the digest job (see DigestQueue); None: the digest is final
 
     @property
     def pieces(self) -> list[Piece]:
@@ -391,18 +390,14 @@ class CapsuleStore:
             id=secrets.token_hex(8), name=name, parent=parent, position=position, nbytes=nbytes, tier=tier,
             pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
             layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
-        for p in {id(p.chunk): p.chunk for p in pieces}.values():
-            p.refs += 1
+        # Two holds per chunk: the record's, and its digest job's (which keeps the chunks
+        # alive if the capsule is dropped before it is hashed).
+        for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
+            chunk.refs += 2
         record = Record(info, pieces, log_runs)
         self._records[info.id] = record
-        self._hold(record)
-        self.digests.submit(record, list(record.pieces))
+        self.digests.submit(record, list(pieces))
         return record
-
-    def _hold(self, record: Record) -> None:
-        # The digest job keeps the chunks alive even if the capsule is dropped meanwhile.
-        for chunk in {id(p.chunk): p.chunk for p in record.pieces}.values():
-            chunk.refs += 1
 
     def _release(self, pieces: list[Piece]) -> None:
         for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
@@ -429,7 +424,7 @@ class CapsuleStore:
         read = lambda s, e: self._read(record, s, e, pieces)  # noqa: E731
         digest = state_digest(self.layout.regions, record.info.position, read)
         history = history_digest(self.layout.regions, record.info.position, read)
-        # Only _demote also replaces info, and it waits for ``hashed`` first.
+        # Only _demote also replaces info, and it finishes the job first.
         record.info = replace(record.info, digest=digest, history_hash=history)
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
@@ -550,7 +545,6 @@ class CapsuleStore:
                        history_hash=history_digest(self.layout.regions, position, read))
         path = self._write_disk(info, ranges, data, log_runs)
         record = Record(info, [], log_runs, path)
-        record.hashed.set()
         self._records[info.id] = record
         self._emit("snapshot", info)
         return record
@@ -604,7 +598,6 @@ class CapsuleStore:
             except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
                 log.warning("skipping capsule file %s: %s", path.name, exc)
                 continue
-            record.hashed.set()
             self._records[info.id] = record
             self._used["disk"] += info.nbytes
 
