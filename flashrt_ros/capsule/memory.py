@@ -19,16 +19,13 @@ _ALIGN = 256
 class Chunk:
     """An immutable run of bytes shared by the capsules that reference it."""
 
-    __slots__ = ("tier", "data", "offset", "refs", "landed", "_array")
+    __slots__ = ("tier", "data", "nbytes", "offset", "refs", "landed", "_array")
 
     def __init__(self, tier: str, data: torch.Tensor, offset: int = -1) -> None:
         self.tier, self.data, self.offset, self.refs = tier, data, offset, 0
+        self.nbytes = data.numel()   # read on every snapshot and release: kept, not asked of torch
         self.landed = None   # a CUDA event after copies from the GPU that did not wait
         self._array = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
 
     def copied_from(self, device: torch.device) -> None:
         """Mark the copies just queued from ``device`` into this (host) chunk: CPU reads wait for them."""
