@@ -106,6 +106,28 @@ def test_shared_prefix_bytes_stay_until_the_last_capsule_using_them_is_dropped(t
     assert tiny_engine.capsules.used_bytes("device") == 0
 
 
+def _digest_without_waiting(engine, capsule_id: str, timeout: float = 10.0) -> str:
+    """The digest as the background thread leaves it, polled without ever asking for it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while engine.capsules.get(capsule_id, wait=False).digest == "" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.capsules.get(capsule_id, wait=False).digest
+
+
+def test_a_snapshot_is_hashed_in_the_background_while_the_engine_stays_idle(tiny_engine):
+    """A snapshot does not wake the digest thread (that would slow the call down); the
+    next step does, and with no next step the thread's poll finds the job."""
+    engine = tiny_engine
+    engine.prefill(list(range(1, 40)))
+    live = engine.state_digest()
+    assert _digest_without_waiting(engine, engine.snapshot().id) == live
+    second = engine.snapshot()
+    engine.generate(1)
+    assert _digest_without_waiting(engine, second.id) == live
+
+
 def test_a_capsule_dropped_before_its_digest_frees_everything_and_logs_nothing(tiny_engine, caplog):
     """The digest thread holds the pieces it was given; a drop meanwhile must not make
     it read nothing (a spurious CorruptCapsule) or keep the chunks forever."""

@@ -1,13 +1,18 @@
 """Capsule digests computed in the background, with exact accounting of what they hold.
 
 A digest job reads its capsule's chunks, so it holds them until it is settled.
-A record's digest is final once its job is FINISHED (or it has no job): waiters
-wait on the queue's one condition, so a snapshot creates no event of its own.
 A capsule that leaves the store (dropped or evicted) settles its job at once:
 a job not yet started is cancelled, one in progress is waited for (one hash
 at most). So the bytes a tier counts are always those of the capsules in it,
 whatever the worker thread is doing. Budget decisions, and with them refusals
-and evictions, are then the same in a live run and in its replay.
+and evictions, are then the same in a live run and in its replay. A record's
+digest is final once its job is FINISHED (or it has no job).
+
+``submit`` does not wake the worker. A woken worker at once competes for the
+interpreter lock with the thread that just took the snapshot, in the middle of
+its latency-critical call and the caller's next ones. The owner wakes it with
+``kick`` as it starts its next long step; an engine left idle has its queue
+picked up by the worker's poll (every ``POLL_S``).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, FINISHED, SETTLED = "queued", "running", "finished", "settled"
+POLL_S = 0.05
 
 
 class Job:
@@ -48,11 +54,16 @@ class DigestQueue:
         self._worker.start()
 
     def submit(self, record: Any, pieces: list) -> None:
-        """Hash ``record`` later; ``pieces`` must already be held for the job."""
+        """Hash ``record`` later (see ``kick``); ``pieces`` must already be held for the job."""
         record.job = Job(record, pieces)
         with self._cond:
             self._queue.append(record.job)
-            self._cond.notify()
+
+    def kick(self) -> None:
+        """Start on the queued jobs now (a no-op costing a fraction of a microsecond when none is)."""
+        if self._queue:
+            with self._cond:
+                self._cond.notify()
 
     def settle(self, record: Any) -> None:
         """Release what the record's job holds, now (call with ``lock`` held). A job not yet
@@ -128,7 +139,7 @@ class DigestQueue:
                 while not self._queue:
                     if self._compute_ref() is None:
                         return  # the store is gone: nothing will ever be queued again
-                    self._cond.wait(timeout=5.0)
+                    self._cond.wait(timeout=POLL_S)
                 job = self._queue.popleft()
                 if job is None:
                     return

@@ -203,7 +203,9 @@ class Engine:
     @contextmanager
     def _work(self, step: bool = False) -> Iterator[None]:
         """The lock plus inference mode; flush-to-zero on this thread and, for one-row
-        steps, the decode thread count, when asked for."""
+        steps, the decode thread count, when asked for. Digests that snapshots queued
+        start now, alongside this step, not inside the snapshot call (see DigestQueue)."""
+        self.capsules.digests.kick()
         with self._lock, torch.inference_mode():
             if self._flush_denormal:
                 torch.set_flush_denormal(True)
