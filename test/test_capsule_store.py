@@ -128,6 +128,53 @@ def test_a_snapshot_is_hashed_in_the_background_while_the_engine_stays_idle(tiny
     assert _digest_without_waiting(engine, second.id) == live
 
 
+def test_a_dropped_capsule_leaves_no_memory_behind_hashed_or_not(tiny_engine):
+    """Bytes a tier no longer counts must really be free: neither the record's digest job
+    nor an idle digest thread may keep a dropped capsule's host buffer alive."""
+    import gc
+    import weakref
+
+    engine = tiny_engine
+    engine.prefill(list(range(1, 200)))
+    for hashed in (False, True):
+        info = engine.snapshot(tier="host")
+        if hashed:
+            engine.capsules.get(info.id)
+        buffer = weakref.ref(engine.capsules.resolve(info.id).pieces[0].chunk.data)
+        engine.capsules.drop(info.id)
+        gc.collect()
+        assert engine.capsules.used_bytes("host") == 0
+        assert buffer() is None, f"a dropped capsule's buffer is still alive (hashed before the drop: {hashed})"
+
+
+def test_get_is_one_step_against_a_concurrent_drop(tiny_engine):
+    """get(wait=True) either returns the final digest or says the capsule is gone; a drop
+    between its lookup and its wait once made it return a cancelled job's empty digest."""
+    import threading
+    import time
+
+    engine = tiny_engine
+    engine.prefill(list(range(1, 40)))
+    store = engine.capsules
+    info = engine.snapshot()
+    lookup = store.resolve
+
+    def slow_lookup(ref):   # widens the window that a drop from another thread can fall into
+        found = lookup(ref)
+        time.sleep(0.05)
+        return found
+
+    store.resolve = slow_lookup
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(info=store.get(info.id)))
+    reader.start()
+    time.sleep(0.01)
+    store.resolve = lookup
+    store.drop(info.id)
+    reader.join(10)
+    assert got["info"].digest == engine.state_digest()
+
+
 def test_a_capsule_dropped_before_its_digest_frees_everything_and_logs_nothing(tiny_engine, caplog):
     """The digest thread holds the pieces it was given; a drop meanwhile must not make
     it read nothing (a spurious CorruptCapsule) or keep the chunks forever."""

@@ -11,8 +11,9 @@ digest is final once its job is FINISHED (or it has no job).
 ``submit`` does not wake the worker. A woken worker at once competes for the
 interpreter lock with the thread that just took the snapshot, in the middle of
 its latency-critical call and the caller's next ones. The owner wakes it with
-``kick`` as it starts its next long step; an engine left idle has its queue
-picked up by the worker's poll (every ``POLL_S``).
+``kick`` as it starts its next long step, or waits for the digest itself; an
+engine left idle has its queue picked up by the worker's poll (every ``POLL_S``).
+A snapshot that must spill a capsule not hashed yet hashes it in the call.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, FINISHED, SETTLED = "queued", "running", "finished", "settled"
-POLL_S = 0.05
+POLL_S = 1.0   # an idle worker wakes once a second: a negligible cost, and a bound on the wait
 
 
 class Job:
@@ -132,6 +133,7 @@ class DigestQueue:
         release = self._release_ref()
         if release is not None:
             release(job.pieces)
+        job.pieces = []   # the record keeps its job: the chunks must not outlive the hold
 
     def _run(self) -> None:
         while True:
@@ -144,17 +146,21 @@ class DigestQueue:
                 if job is None:
                     return
                 job.state = RUNNING
-            try:
-                self._compute(job.record, job.pieces)
-            except Exception:  # a digest failure must never kill the worker
-                log.exception("digest of capsule %s failed", job.record.info.id)
-            finally:
-                # Announce first, settle after: a waiter may hold the lock the release needs.
-                with self._cond:
-                    if job.state == RUNNING:
-                        job.state = FINISHED
-                    self._done.notify_all()
-                    mine = not job.waited
-                if mine:  # else the waiter settles it: queueing for its lock would only delay its next call
-                    with self._lock:
-                        self._settle(job)
+            self._work_on(job)
+            del job  # an idle worker must not keep the last capsule's chunks (host memory) alive
+
+    def _work_on(self, job: Job) -> None:
+        try:
+            self._compute(job.record, job.pieces)
+        except Exception:  # a digest failure must never kill the worker
+            log.exception("digest of capsule %s failed", job.record.info.id)
+        finally:
+            # Announce first, settle after: a waiter may hold the lock the release needs.
+            with self._cond:
+                if job.state == RUNNING:
+                    job.state = FINISHED
+                self._done.notify_all()
+                mine = not job.waited
+            if mine:  # else the waiter settles it: queueing for its lock would only delay its next call
+                with self._lock:
+                    self._settle(job)

@@ -223,11 +223,11 @@ class CapsuleStore:
     def get(self, ref: str | CapsuleInfo, wait: bool = True) -> CapsuleInfo:
         """The capsule's info; with ``wait`` its digest is filled in first (computed here if
         the digest thread has not reached it)."""
-        record = self.resolve(ref)
-        if wait:
-            with self._lock:
+        with self._lock:  # one hold: a drop in between would leave a cancelled job's empty digest
+            record = self.resolve(ref)
+            if wait:
                 self.digests.finish(record)
-        return record.info
+            return record.info
 
     def used_bytes(self, tier: str) -> int:
         return self._used[check_tier(tier)]
@@ -346,12 +346,12 @@ class CapsuleStore:
 
     def verify(self, record: Record) -> None:
         """Re-hash the capsule's stored bytes; CorruptCapsule if they no longer match its digest."""
-        with self._lock:
+        with self._lock:  # held throughout: a drop meanwhile would free, and a snapshot reuse, the bytes
             self.digests.finish(record)
-        if record.info.tier == "disk":
-            self._read_disk(record)  # verifies on read
-            return
-        actual = state_digest(self.layout.regions, record.info.position, lambda s, e: self._read(record, s, e))
+            if record.info.tier == "disk":
+                self._read_disk(record)  # verifies on read
+                return
+            actual = state_digest(self.layout.regions, record.info.position, lambda s, e: self._read(record, s, e))
         if actual != record.info.digest:
             raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
 
