@@ -284,6 +284,33 @@ def test_a_capsule_larger_than_the_pool_once_aligned_is_refused_without_spilling
     assert {c.name: c.tier for c in engine.capsules.list()} == {"small": "device"}
 
 
+def test_a_snapshot_that_could_not_fit_after_spilling_moves_no_capsule_before_it_is_refused():
+    """Pinned capsules fragment the pool so that even spilling every unpinned one leaves no
+    run long enough: the refusal must come first, not after the spills (here, with a host
+    tier that holds one capsule and no disk tier, they would have been evictions)."""
+    from flashrt_ros.capsule.memory import DevicePool
+
+    small, big = DevicePool.footprint(_full_size(8)), DevicePool.footprint(_full_size(40))
+    assert small < big <= 4 * small   # fits the pool, but neither a freed slot nor the free tail
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, spill=True,
+                                budgets={"device": 4 * small, "host": _full_size(8) + 1})
+    events = []
+    for pin in (True, False, True):              # pinned, unpinned, pinned, back to back in the pool
+        engine.reset()
+        engine.prefill(list(range(1, 9)))
+        engine.snapshot(pin=pin)
+    engine.reset()
+    engine.prefill(list(range(1, 9)))
+    engine.snapshot(tier="host")                 # the host tier is full
+    before = {c.id: c.tier for c in engine.capsules.list()}
+    engine.reset()
+    engine.prefill(list(range(1, 41)))
+    engine.capsules.subscribe(lambda kind, info: events.append(kind))
+    with pytest.raises(BudgetExceeded, match="would not fit even after spilling"):
+        engine.snapshot()
+    assert {c.id: c.tier for c in engine.capsules.list()} == before and events == []
+
+
 def test_a_shared_capsule_spilled_to_disk_counts_all_its_bytes_there_after_a_restart(tmp_path):
     size = _full_size(10)
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path,

@@ -89,6 +89,18 @@ class DevicePool:
     def largest_free(self) -> int:
         return max((size for _, size in self._free), default=0)
 
+    def largest_free_after(self, chunks: list[Chunk]) -> int:
+        """The largest free run if ``chunks`` were released (nothing is released)."""
+        runs = sorted(self._free + [(c.offset, self.footprint(c.nbytes)) for c in chunks])
+        largest, start, end = 0, None, None
+        for offset, size in runs:
+            if start is not None and offset == end:
+                end += size
+            else:
+                start, end = offset, offset + size
+            largest = max(largest, end - start)
+        return largest
+
 
 def host_chunk(nbytes: int, pin: bool) -> Chunk:
     return Chunk("host", torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))

@@ -22,7 +22,7 @@ import torch
 
 from ..digest import history_digest, state_digest
 from . import diskformat
-from .digest_queue import DigestQueue
+from .digest_queue import SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
 from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier
@@ -473,6 +473,10 @@ class CapsuleStore:
         victims = sorted((r for r in self._records.values()
                           if r.info.tier == tier and not r.info.pinned and r is not spare),
                          key=lambda r: r.last_used)
+        if not self._fits_without(tier, nbytes, victims):   # refuse before a single capsule moves
+            raise BudgetExceeded(
+                f"{tier} tier: {nbytes} bytes would not fit even after spilling every unpinned capsule "
+                f"({self._used[tier]} of {budget} used; pinned capsules and those sharing their bytes stay)")
         for victim in victims:
             if self._fits(tier, nbytes):
                 return
@@ -481,6 +485,28 @@ class CapsuleStore:
             raise BudgetExceeded(
                 f"{tier} tier: {nbytes} bytes do not fit even after spilling every unpinned capsule "
                 f"({self._used[tier]} of {budget} used)")
+
+    def _fits_without(self, tier: str, nbytes: int, victims: list[Record]) -> bool:
+        """Whether ``nbytes`` would fit once every victim had left the tier: a chunk is freed
+        only if the victims (and their digest jobs) hold every reference to it."""
+        if tier == "disk":   # a disk capsule's bytes are its own file
+            return self._used[tier] - sum(v.info.nbytes for v in victims) + nbytes <= self._budgets.get(tier, 0)
+        held: dict[int, int] = {}
+        chunks: dict[int, Chunk] = {}
+        for victim in victims:
+            job = victim.job
+            job_holds = job is not None and job.state != SETTLED
+            for chunk in {id(p.chunk): p.chunk for p in victim.pieces}.values():
+                chunks[id(chunk)] = chunk
+                held[id(chunk)] = held.get(id(chunk), 0) + 1
+            if job_holds:
+                for chunk in {id(p.chunk): p.chunk for p in job.pieces}.values():
+                    chunks[id(chunk)] = chunk
+                    held[id(chunk)] = held.get(id(chunk), 0) + 1
+        freed = [c for key, c in chunks.items() if held[key] == c.refs]
+        if tier == "device":
+            return self.pool.largest_free_after(freed) >= self.pool.footprint(nbytes)
+        return self._used[tier] - sum(c.nbytes for c in freed) + nbytes <= self._budgets.get(tier, 0)
 
     def _demote(self, record: Record) -> None:
         """Move a capsule one tier down (device -> host -> disk), or drop it from the last tier."""
