@@ -57,9 +57,13 @@ def test_every_service_success_path(live):
     back = h.call("rollback", steps=2, to_position=-1)
     _ok(back)
     assert back.position == 27
+    one = h.call("rollback", steps=1)   # only steps set, as `ros2 service call ... "{steps: 1}"` sends
+    _ok(one)
+    assert one.position == 26, "an unset to_position must mean unused, not position 0"
     exact = h.call("rollback", steps=0, to_position=25)
     _ok(exact)
     assert exact.position == 25
+    assert h.call("rollback").position == 24   # an empty request: one boundary back (the prefill's)
 
     restored = h.call("restore", capsule_id=snap.capsule_id, verify=True)
     _ok(restored)
