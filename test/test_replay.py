@@ -95,10 +95,13 @@ def _session(ros_context, tmp_path, params: dict, work) -> Path:
 
 
 def test_refused_request_ids_and_a_spill_switch_replay_identically(ros_context, tmp_path):
-    """Refusals the node makes from its own state (a request_id reused with other fields)
+    """Refusals the node makes from its own state (a request_id reused with other fields, or
+    retried after its capsule was dropped)
     and from parameters changed at run time (spill off) must come out the same on replay."""
     from rclpy.parameter import Parameter
     from ros_harness import wait_future
+
+    from flashrt_ros.msg import ErrorCode
 
     def work(h):
         _, result = h.generate(token_ids=list(range(1, 20)), max_new_tokens=2)
@@ -106,6 +109,10 @@ def test_refused_request_ids_and_a_spill_switch_replay_identically(ros_context, 
         assert not h.call("snapshot", request_id="x" * 300).success
         assert h.call("snapshot", name="s", request_id="r1").success
         assert not h.call("snapshot", name="other", request_id="r1").success
+        first = h.call("snapshot", request_id="r2")
+        assert h.call("drop_capsule", capsule_id=first.capsule_id).success
+        gone = h.call("snapshot", request_id="r2")   # a retry of a snapshot since dropped
+        assert not gone.success and gone.error_code == ErrorCode.UNKNOWN_CAPSULE
         assert h.node.set_parameters([Parameter("spill", value=False)])[0].successful
         refused = next(r for r in (h.call("snapshot") for _ in range(64)) if not r.success)
         assert "spill is off" in refused.message

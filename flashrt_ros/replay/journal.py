@@ -130,7 +130,11 @@ def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotReq
         # Only first requests and refusals are recorded: a repeat changes nothing.
         rid = req.get("request_id", "")
         fields = (req.get("name", ""), req.get("requested_tier", req["tier"]), bool(req.get("pin")))
-        requests.earlier(rid, fields)
+        earlier = requests.earlier(rid, fields)
+        if earlier is not None:
+            # A repeat is journaled only when refused: its capsule has gone since (dropped,
+            # evicted). Look it up as the node did, so that the refusal replays too.
+            return {"capsule_id": engine.capsules.get(earlier, wait=False).id}
         info = engine.snapshot(name=req.get("name") or None, tier=req["tier"], pin=bool(req.get("pin")))
         requests.remember(rid, fields, info.id)
         return {"capsule_id": info.id}
