@@ -182,6 +182,21 @@ def test_bad_observation_is_refused_without_a_step(obs, words):
     assert engine.state_digest() == before and engine.position == 0
 
 
+def test_an_observation_that_overflows_inside_the_model_is_undone_and_refused():
+    """3.4e38 is finite, so it passes the input check, but it overflows in the projector;
+    kept, it would make every later action NaN."""
+    engine, reference = Engine.from_config(POLICY), Engine.from_config(POLICY)
+    obs = torch.linspace(-1, 1, 10)
+    engine.step(obs)
+    reference.step(obs)
+    before = engine.state_digest()
+    with pytest.raises(InvalidArgument, match="NaN or infinity; the step was undone"):
+        engine.step(torch.full((10,), 3.4e38))
+    assert engine.state_digest() == before and engine.position == 1
+    assert torch.equal(engine.step(obs * 2), reference.step(obs * 2))
+    assert engine.state_digest() == reference.state_digest()
+
+
 def test_an_engine_used_as_a_context_manager_stops_its_digest_thread_on_exit():
     with Engine.from_config(ModelConfig.tiny()) as engine:
         engine.prefill(PROMPT)

@@ -303,7 +303,14 @@ class Engine:
         with self._work(step=True):
             self._check_room(1)
             self._commit_step(obs)
-            return _handed_out(self._action_out.cpu())
+            action = self._action_out.cpu()
+            # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
+            # inside the model; left in, every later action would be NaN. Undo the step instead.
+            if not (torch.isfinite(action).all() and torch.isfinite(self.model.last_hidden).all()):
+                self._go_back(1)
+                raise InvalidArgument(f"observation (largest magnitude {obs.abs().max().item():.3g}) drove the "
+                                      "state to NaN or infinity; the step was undone")
+            return _handed_out(action)
 
     # ---- capsules --------------------------------------------------------------------------------
     def snapshot(self, name: str | None = None, tier: str = "device", pin: bool = False) -> CapsuleInfo:
