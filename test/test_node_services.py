@@ -178,6 +178,20 @@ def test_inactive_node_answers_not_active_to_everything(live):
     _ok(h.call("list_capsules"))
 
 
+def test_a_goal_aborted_by_deactivation_reports_the_tokens_it_committed(live):
+    h = live
+    _, result = h.generate(token_ids=[1, 2, 3], max_new_tokens=400)
+    deadline = time.monotonic() + 30
+    while h.node.engine.position < 8 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    h.node.trigger_deactivate()
+    answer = wait_future(result).result
+    assert not answer.success and answer.error_code == ErrorCode.NOT_ACTIVE
+    committed = h.node.engine.position - 3
+    assert committed >= 5 and len(answer.tokens) == committed
+    assert list(answer.tokens) == h.node.engine.arena["meta.tokens"][3:3 + committed].tolist()
+
+
 def test_generate_streams_feedback_reports_ttft_and_matches_the_engine(live):
     from flashrt_ros.runtime import Engine, ModelConfig
     from flashrt_ros.runtime.tokenizer import ByteTokenizer

@@ -36,26 +36,28 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
     tokens: list[int] = []
     first = None
     feedback = Generate.Feedback()
-    for _ in range(n):
-        if goal_handle.is_cancel_requested:
-            result.message = f"canceled after {len(tokens)} tokens"
-            break
-        if not node.serving:
-            raise NotActive(f"node left the active state after {len(tokens)} tokens")
-        with engine.lock:
-            token = engine.generate(1)[0]
-            node.note_state_change(J.DECODE, {}, {"token": token})
-        if first is None:
-            first = time.perf_counter()
-        tokens.append(token)
-        feedback.tokens = tokens
-        feedback.text = _decode(node.tokenizer, tokens)
-        goal_handle.publish_feedback(feedback)
-        if token in eos:
-            break
+    try:
+        for _ in range(n):
+            if goal_handle.is_cancel_requested:
+                result.message = f"canceled after {len(tokens)} tokens"
+                break
+            if not node.serving:
+                raise NotActive(f"node left the active state after {len(tokens)} tokens")
+            with engine.lock:
+                token = engine.generate(1)[0]
+                node.note_state_change(J.DECODE, {}, {"token": token})
+            if first is None:
+                first = time.perf_counter()
+            tokens.append(token)
+            feedback.tokens = tokens
+            feedback.text = _decode(node.tokenizer, tokens)
+            goal_handle.publish_feedback(feedback)
+            if token in eos:
+                break
+    finally:   # an aborted goal still reports the tokens it committed to the state
+        result.tokens = tokens
+        result.text = _decode(node.tokenizer, tokens)
     end = time.perf_counter()
-    result.tokens = tokens
-    result.text = _decode(node.tokenizer, tokens)
     result.ttft_ms = ((first or end) - start) * 1e3
     decode_s = end - (first or end)
     result.tokens_per_s = (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0
