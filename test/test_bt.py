@@ -171,6 +171,30 @@ def test_a_snapshot_halted_mid_call_runs_anew_and_its_orphan_is_dropped(live):
     assert capsules[0].position == live.node.engine.position   # the state of the second run
 
 
+def test_a_snapshot_that_timed_out_then_was_halted_leaves_no_orphan_capsule(live):
+    """The timed-out try keeps its request_id for a retry; a halt then means no retry will
+    ever claim the capsule the node makes for it, so the behaviour drops it."""
+    from flashrt_ros.bt.behaviours import Snapshot
+
+    from ros_harness import wait_future
+
+    _, result = live.generate(prompt="context", max_new_tokens=2)
+    assert wait_future(result).result.success
+    behaviour = Snapshot("snap", live.client, "snap_capsule", pin=True, timeout_s=0.2)
+    tree = py_trees.trees.BehaviourTree(behaviour)
+    tree.setup(timeout=10)
+    with live.node.engine.lock:                     # the node is busy past the timeout
+        while behaviour.status != Status.FAILURE:
+            tree.tick()
+            time.sleep(0.01)
+        assert behaviour.request_id                 # kept for a retry
+        behaviour.stop(Status.INVALID)              # the branch is preempted instead
+    deadline = time.monotonic() + 10
+    while (behaviour.late_answers == 0 or live.node.engine.capsules.list()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert behaviour.late_answers == 1 and live.node.engine.capsules.list() == []
+
+
 def _generating(live, result_key: str, max_new_tokens: int, position: int):
     """A Generate behaviour ticked until the node's position reaches ``position``: (behaviour, tree)."""
     from flashrt_ros.bt.behaviours import Generate
@@ -201,6 +225,22 @@ def test_generate_run_again_after_a_halt_waits_for_the_canceled_goal(live):
     behaviour.max_new_tokens = 4
     assert _tick_until_done(behaviour) == Status.SUCCESS, _blackboard("flashrt_error")
     assert len(_blackboard("out")["tokens"]) == 4
+
+
+def test_generate_halted_before_its_goal_was_accepted_then_run_again_is_not_refused_busy(live):
+    """The halt comes before the goal handle: the goal starts on the node anyway, and the
+    behaviour run again must wait for it to end instead of sending into a busy node."""
+    from flashrt_ros.bt.behaviours import Generate
+
+    for _ in range(3):   # the window is a few milliseconds wide: try it more than once
+        behaviour = Generate("gen", live.client, "out", prompt="x", max_new_tokens=200)
+        tree = py_trees.trees.BehaviourTree(behaviour)
+        tree.setup(timeout=10)
+        tree.tick()                                  # the goal request is in flight
+        behaviour.stop(Status.INVALID)
+        behaviour.max_new_tokens = 3
+        assert _tick_until_done(behaviour) == Status.SUCCESS, _blackboard("flashrt_error")
+        assert len(_blackboard("out")["tokens"]) == 3
 
 
 def test_generate_canceled_by_another_client_fails(live):

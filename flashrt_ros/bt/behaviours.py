@@ -11,7 +11,8 @@ Snapshot sends a ``request_id``. It is kept when the attempt times out, so the
 retry asks for the same snapshot and the node answers with the same capsule;
 it is cleared once an answer has been read, and when the behaviour is halted:
 a halted branch that runs again later wants the state of then, not the
-capsule of its abandoned try, which is dropped when its answer comes in.
+capsule of its abandoned tries (those that timed out before the halt too),
+which are dropped when their answers come in.
 Restore and Drop are idempotent by nature; Fork and Rollback(steps) are not
 (a halt after the node applied them and a retry apply them twice): retry
 those only from a state you restore first.
@@ -30,6 +31,7 @@ import py_trees
 from py_trees.common import Access, Status
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
+from rclpy.task import Future
 
 from ..action import Generate as GenerateAction
 from ..errors import ErrorCode
@@ -209,6 +211,8 @@ class Snapshot(_ServiceCall):
             self._key(position_key, Access.WRITE)
         self.request_id = ""
         self._halted: set = set()   # futures abandoned by a halt: their capsules are orphans
+        self._unclaimed: set = set()   # capsules late answers made for request_id: a retry claims them
+        self._orphans = threading.Lock()   # halts (tree thread) against late answers (executor thread)
         self._drop = node.create_client(DropSrv, f"{self.server}/drop_capsule")
 
     def request(self) -> Any:
@@ -218,22 +222,33 @@ class Snapshot(_ServiceCall):
                                      request_id=self.request_id)
 
     def answered(self, response: Any) -> None:
-        self.request_id = ""
+        with self._orphans:
+            self.request_id = ""
+            self._unclaimed.clear()   # the answer names that capsule: the retry got it
 
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID:
-            self.request_id = ""
-            if self._future is not None:
-                self._halted.add(self._future)
+            with self._orphans:
+                self.request_id = ""
+                if self._future is not None:
+                    self._halted.add(self._future)
+                # Tries that timed out earlier were kept for a retry that will now never come.
+                self._halted.update(self._abandoned)
+                orphans, self._unclaimed = self._unclaimed, set()
+            for capsule_id in orphans:
+                self._drop.call_async(DropSrv.Request(capsule_id=capsule_id))
         super().terminate(new_status)
 
     def _late(self, future) -> None:
-        if future not in self._halted:
-            return   # a timed-out try: the retry asks for this very capsule by its request_id
-        self._halted.discard(future)
         response = None if future.cancelled() or future.exception() is not None else future.result()
-        if response is not None and response.success:
-            self._drop.call_async(DropSrv.Request(capsule_id=response.capsule_id))
+        made = response.capsule_id if response is not None and response.success else ""
+        with self._orphans:
+            halted = future in self._halted
+            self._halted.discard(future)
+            if not halted and made:   # a timed-out try: the retry asks for this capsule by request_id
+                self._unclaimed.add(made)
+        if halted and made:
+            self._drop.call_async(DropSrv.Request(capsule_id=made))
 
     def on_success(self, response: Any) -> None:
         self.bb.set(self.capsule_key, response.capsule_id)
@@ -342,14 +357,16 @@ class Generate(_Call):
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
         self._key(result_key, Access.WRITE)
         self._goal = None
-        self._ending = None     # the result future of a goal this behaviour canceled
+        self._ending = None     # done once the goal this behaviour canceled or abandoned has ended
         self._waiting = False   # initialised, goal not sent yet: the canceled one still runs
+        self._sending = False   # the future in flight is a goal request, not yet accepted
+        self._endings: dict = {}   # abandoned goal request -> the future that its goal's end completes
 
     def _wait_for_server(self, seconds: float) -> None:
         self.client.wait_for_server(timeout_sec=seconds)
 
     def initialise(self) -> None:
-        self._future, self._goal = None, None
+        self._future, self._goal, self._sending = None, None, False
         self._waiting = True
         self._deadline = time.monotonic() + self.timeout_s
         self._send_when_free()
@@ -363,6 +380,7 @@ class Generate(_Call):
         self._waiting = False
         goal = self.action.Goal(prompt=self.prompt, max_new_tokens=self.max_new_tokens)
         self._send(self.client.send_goal_async(goal))
+        self._sending = True
 
     def update(self) -> Status:
         if self._waiting:
@@ -379,6 +397,7 @@ class Generate(_Call):
         if isinstance(answer, Status):
             return answer
         if self._goal is None:  # the goal handle arrived: now wait for the result
+            self._sending = False
             if not answer.accepted:
                 return self._fail(ErrorCode.BUSY, "goal rejected")
             self._goal = answer
@@ -400,10 +419,25 @@ class Generate(_Call):
         self._cancel()
         return super()._timed_out()
 
+    def _abandon(self) -> None:
+        if self._sending and self._future is not None:
+            # The node may accept this goal any moment: a run that starts meanwhile must wait
+            # for it to end, or its own goal is refused BUSY (the node runs one at a time).
+            ending = Future()
+            self._endings[self._future] = ending
+            self._ending, self._sending = ending, False
+        super()._abandon()
+
     def _late(self, future) -> None:
         handle = None if future.cancelled() or future.exception() is not None else future.result()
+        ending = self._endings.pop(future, None)
         if getattr(handle, "accepted", False) and hasattr(handle, "cancel_goal_async"):
             handle.cancel_goal_async()  # a goal accepted after its behaviour was halted must not run on
+            if ending is not None:
+                handle.get_result_async().add_done_callback(lambda _: ending.set_result(True))
+                return
+        if ending is not None:
+            ending.set_result(True)   # refused, or never sent: nothing runs
 
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID:
