@@ -134,6 +134,21 @@ def test_timeout_fails_and_the_late_answer_is_ignored(live):
     assert _blackboard("slow_capsule") == f"capsule-for-{server.request_ids[0]}"
 
 
+@pytest.mark.parametrize("make", ["restore", "rollback", "drop"])
+def test_an_unset_or_mistyped_blackboard_key_fails_the_behaviour_not_the_tree(live, make):
+    from flashrt_ros.bt.behaviours import Drop, Restore, Rollback
+
+    behaviour = {"restore": lambda: Restore("restore", live.client, "never_set"),
+                 "rollback": lambda: Rollback("rollback", live.client, to_position_key="never_set"),
+                 "drop": lambda: Drop("drop", live.client, "never_set")}[make]()
+    assert behaviour.client.wait_for_service(timeout_sec=10)
+    assert _tick_until_done(behaviour) == Status.FAILURE
+    assert _blackboard("flashrt_error")["code"] == ErrorCode.INVALID_ARGUMENT
+    py_trees.blackboard.Blackboard.set("never_set", 12.5 if make != "rollback" else "twelve")
+    assert _tick_until_done(behaviour) == Status.FAILURE
+    assert _blackboard("flashrt_error")["code"] == ErrorCode.INVALID_ARGUMENT
+
+
 def test_absent_server_fails_with_no_server(live):
     from flashrt_ros.bt.behaviours import NO_SERVER, Drop
 

@@ -22,6 +22,7 @@ ticked from this one).
 """
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 import uuid
@@ -161,6 +162,7 @@ class _ServiceCall(_Call):
                  error_key: str = "flashrt_error", wait_for_server_s: float = 5.0) -> None:
         super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
         self.client = node.create_client(self.srv_type, f"{self.server}/{self.service}")
+        self._bad_request = ""
 
     def _wait_for_server(self, seconds: float) -> None:
         self.client.wait_for_service(timeout_sec=seconds)
@@ -168,16 +170,35 @@ class _ServiceCall(_Call):
     def request(self) -> Any:
         raise NotImplementedError
 
+    def _read(self, key: str, kind: type) -> Any:
+        """A blackboard value for a request field, of the field's type. Checked here: rclpy
+        does not check field types by default, and a wrong one aborts the process when the
+        request is serialised."""
+        value = self.bb.get(key)   # KeyError when nobody has set it
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise TypeError(f"blackboard key {key!r} holds {type(value).__name__} {value!r:.40}, "
+                            f"not {kind.__name__}")
+        return value
+
     def on_success(self, response: Any) -> None:
         """Write the response's outputs to the blackboard."""
 
     def initialise(self) -> None:
-        self._future = None
+        self._future, self._bad_request = None, ""
         if not self.client.service_is_ready():
             return
-        self._send(self.client.call_async(self.request()))
+        try:
+            request = self.request()
+        except (KeyError, TypeError) as exc:
+            # A blackboard key nobody set, or set to the wrong type: a failure of this
+            # behaviour, not an exception out of tick() (or an abort in rclpy, see _read).
+            self._bad_request = f"cannot build the {self.service} request: {type(exc).__name__}: {exc}"
+            return
+        self._send(self.client.call_async(request))
 
     def update(self) -> Status:
+        if self._bad_request:
+            return self._fail(ErrorCode.INVALID_ARGUMENT, self._bad_request)
         if self._future is None and not self.client.service_is_ready():
             return self._fail(NO_SERVER, f"service {self.client.srv_name} is not available")
         response = self._poll()
@@ -267,7 +288,7 @@ class Restore(_ServiceCall):
         self._key(capsule_key, Access.READ)
 
     def request(self) -> Any:
-        return self.srv_type.Request(capsule_id=self.bb.get(self.capsule_key), verify=self.verify)
+        return self.srv_type.Request(capsule_id=self._read(self.capsule_key, str), verify=self.verify)
 
 
 class Fork(_ServiceCall):
@@ -284,7 +305,7 @@ class Fork(_ServiceCall):
             self._key(source_key, Access.READ)
 
     def request(self) -> Any:
-        source = self.bb.get(self.source_key) if self.source_key else ""
+        source = self._read(self.source_key, str) if self.source_key else ""
         return self.srv_type.Request(source_id=source, name=self.capsule_name)
 
     def on_success(self, response: Any) -> None:
@@ -304,7 +325,7 @@ class Rollback(_ServiceCall):
             self._key(to_position_key, Access.READ)
 
     def request(self) -> Any:
-        to = int(self.bb.get(self.to_position_key)) if self.to_position_key else -1
+        to = int(self._read(self.to_position_key, numbers.Integral)) if self.to_position_key else -1
         return self.srv_type.Request(steps=self.steps, to_position=to)
 
 
@@ -325,7 +346,7 @@ class Drop(_ServiceCall):
 
     def initialise(self) -> None:
         if self._nothing_to_drop():
-            self._future = None
+            self._future, self._bad_request = None, ""
             return
         super().initialise()
 
@@ -336,7 +357,7 @@ class Drop(_ServiceCall):
         return super().update()
 
     def request(self) -> Any:
-        return self.srv_type.Request(capsule_id=self.bb.get(self.capsule_key))
+        return self.srv_type.Request(capsule_id=self._read(self.capsule_key, str))
 
 
 class Generate(_Call):
