@@ -21,6 +21,13 @@ class ErrorCode(IntEnum):
     INTERNAL = 9
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """``repr`` of a caller's value for an error message, cut to about ``limit`` characters:
+    a request field can be megabytes, and messages go to logs, topics and journals."""
+    text = value if isinstance(value, str) else str(value)
+    return repr(text if len(text) <= limit else f"{text[:limit - 3]}...")
+
+
 class FlashRTError(Exception):
     """Base of every error this package raises on purpose; ``code`` says which kind."""
 

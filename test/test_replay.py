@@ -113,12 +113,16 @@ def test_refused_request_ids_and_a_spill_switch_replay_identically(ros_context, 
         assert h.call("drop_capsule", capsule_id=first.capsule_id).success
         gone = h.call("snapshot", request_id="r2")   # a retry of a snapshot since dropped
         assert not gone.success and gone.error_code == ErrorCode.UNKNOWN_CAPSULE
+        huge = h.call("snapshot", tier="x" * 200_000)   # cut in messages and in the journal
+        assert huge.error_code == ErrorCode.INVALID_ARGUMENT and len(huge.message) < 200
         assert h.node.set_parameters([Parameter("spill", value=False)])[0].successful
         refused = next(r for r in (h.call("snapshot") for _ in range(64)) if not r.success)
         assert "spill is off" in refused.message
 
     bag = _session(ros_context, tmp_path, {"budgets.device_mb": 1}, work)
-    assert [e.kind for e in read_bag(bag).entries].count("spill") == 1
+    entries = read_bag(bag).entries
+    assert [e.kind for e in entries].count("spill") == 1
+    assert max(len(v) for e in entries for v in e.request.values() if isinstance(v, str)) <= 1024
     assert replay_main([str(bag)]) == 0
 
 

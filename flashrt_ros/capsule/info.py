@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..errors import shown
 from .errors import InvalidCapsuleRequest
 
 TIERS = ("device", "host", "disk")
@@ -54,9 +55,9 @@ def check_name(name: str | None) -> str:
     if name is None or name == "":
         return ""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        shown = name if isinstance(name, str) and len(name) < 80 else f"{str(name)[:77]}..."
         raise InvalidCapsuleRequest(
-            f"invalid capsule name {shown!r}: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit, no '..'")
+            f"invalid capsule name {shown(name)}: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit, "
+            "no '..'")
     if _ID.fullmatch(name):   # lookups try ids first: such a name could reach another capsule
         raise InvalidCapsuleRequest(f"invalid capsule name {name!r}: 16 hex digits is the form of a capsule id")
     return name
@@ -64,5 +65,5 @@ def check_name(name: str | None) -> str:
 
 def check_tier(tier: str) -> str:
     if tier not in TIERS:
-        raise InvalidCapsuleRequest(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
+        raise InvalidCapsuleRequest(f"unknown tier {shown(tier)}; tiers are {', '.join(TIERS)}")
     return tier

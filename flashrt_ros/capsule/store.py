@@ -21,6 +21,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..digest import history_digest, state_digest
+from ..errors import shown
 from . import diskformat
 from .digest_queue import SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
@@ -238,14 +239,13 @@ class CapsuleStore:
     def resolve(self, ref: str | CapsuleInfo) -> Record:
         key = ref.id if isinstance(ref, CapsuleInfo) else ref
         if not isinstance(key, str) or not key:
-            raise InvalidCapsuleRequest(f"a capsule is named by a non-empty id or name, got {key!r}")
+            raise InvalidCapsuleRequest(f"a capsule is named by a non-empty id or name, got {shown(key)}")
         with self._lock:
             record = self._records.get(key)
             if record is None:
                 record = next((r for r in self._records.values() if r.info.name == key), None)
         if record is None:
-            shown = key if len(key) < 80 else f"{key[:77]}..."
-            raise UnknownCapsule(f"no capsule with id or name {shown!r}")
+            raise UnknownCapsule(f"no capsule with id or name {shown(key)}")
         return record
 
     def drop(self, ref: str | CapsuleInfo) -> CapsuleInfo:

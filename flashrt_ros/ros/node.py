@@ -52,6 +52,15 @@ from .telemetry import Latencies, diagnostics_msg, status_msg
 _STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
 _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 _DIRTY_POLL_S = 0.05     # "on change" status goes out within this
+_JOURNAL_TEXT = 1024     # longest string a capsule request puts in the journal (valid ones are shorter)
+
+
+def _capped(request: dict) -> dict:
+    """A capsule request as journaled: a string past any valid length (a name is at most 128,
+    a request_id 256 characters) is cut, so a megabyte field cannot bloat the bag. Cut, it is
+    just as invalid: replay reproduces the same refusal."""
+    return {k: v[:_JOURNAL_TEXT] if isinstance(v, str) and len(v) > _JOURNAL_TEXT else v
+            for k, v in request.items()}
 
 
 class FlashRTNode(LifecycleNode):
@@ -226,6 +235,8 @@ class FlashRTNode(LifecycleNode):
         exception leaves this method: each becomes success=false with its code.
         """
         self._counters["requests"] += 1
+        if journal is not None:
+            journal = _capped(journal)
         engine = self.engine
         info, code, message = None, int(ErrorCode.OK), "ok"
         start = time.perf_counter()
