@@ -181,6 +181,9 @@ def test_runtime_parameter_changes_are_checked(ros_context):
         assert not bad.successful and "default_tier" in bad.reason
         frozen = node.set_parameters([Parameter("max_seq_len", value=1024)])[0]
         assert not frozen.successful and "read-only" in frozen.reason
+        no_dir = node.set_parameters([Parameter("default_tier", value="disk")])[0]
+        assert not no_dir.successful and "capsule_dir" in no_dir.reason
+        assert node.get_parameter("default_tier").value == "device"
         good = node.set_parameters([Parameter("default_tier", value="host"), Parameter("spill", value=False)])
         assert all(r.successful for r in good)
         assert node.engine.capsules.spill is False
@@ -189,8 +192,9 @@ def test_runtime_parameter_changes_are_checked(ros_context):
         h.close()
 
 
-def test_configure_refuses_inconsistent_policy_parameters_and_stays_unconfigured(ros_context):
-    h = Harness(ros_context, {"policy.obs_dim": 10}, activate=False)
+@pytest.mark.parametrize("overrides", [{"policy.obs_dim": 10}, {"default_tier": "disk"}])
+def test_configure_refuses_inconsistent_parameters_and_stays_unconfigured(ros_context, overrides):
+    h = Harness(ros_context, overrides, activate=False)
     try:
         h.node.trigger_configure()
         assert h.node.engine is None

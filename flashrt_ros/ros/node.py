@@ -208,6 +208,9 @@ class FlashRTNode(LifecycleNode):
     # ---- parameters ------------------------------------------------------------------------------
     def _on_set_parameters(self, changed: list) -> Any:
         result = params.check(changed)
+        if result.successful and any(p.name == "default_tier" and p.value == "disk" for p in changed) \
+                and hasattr(self, "_timer_group") and not self.get_parameter("capsule_dir").value:
+            result.successful, result.reason = False, "default_tier=disk needs a capsule_dir (set at configure)"
         if result.successful:
             for p in changed:
                 engine = self.engine

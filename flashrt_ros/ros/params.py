@@ -116,6 +116,8 @@ def _reason(name: str, value: Any) -> str:
 
 def check_together(vals: dict[str, Any]) -> str:
     """Cross-parameter checks, done at configure; returns the reason for a refusal, or ''."""
+    if vals["default_tier"] == "disk" and not vals["capsule_dir"]:
+        return "default_tier=disk needs a capsule_dir: every Snapshot with an empty tier would be refused"
     obs, act = vals["policy.obs_dim"], vals["policy.action_dim"]
     if (obs == 0) != (act == 0):
         return f"policy.obs_dim={obs} and policy.action_dim={act}: both > 0, or both 0 to turn policy mode off"
