@@ -1,10 +1,11 @@
-"""Shared measuring tools: interleaved timing, medians, memcpy bandwidth, a PASS/MISS line,
-and the command line every benchmark module has."""
+"""Shared measuring tools: interleaved timing, medians, memcpy bandwidth, a cache flush, a
+PASS/MISS line, and the command line every benchmark module has."""
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 from typing import Callable
@@ -30,16 +31,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Median of each timing function, called in turn A, B, C, then B, C, A... so that drift
-    on a shared machine hits every contender alike, and each one runs after each of the
-    others equally often (what ran just before, e.g. a digest on the other core or a cache
-    that a big copy emptied, changes a sub-millisecond timing)."""
+def interleaved(fns: dict[str, Callable[[], float]], rounds: int, seed: int = 0) -> dict[str, float]:
+    """Median of each timing function over ``rounds`` rounds. Each round calls every function
+    once, in an order shuffled afresh (seeded, so runs are comparable): drift on a shared
+    machine hits every contender alike, and on average each runs after each of the others
+    equally often. (A rotation does not: it keeps every function's neighbours, and what ran
+    just before, a digest on the other core or a cache a big copy emptied, moves a
+    sub-millisecond timing.)"""
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns.items())
-    for r in range(rounds):
-        for name, fn in order[r % len(order):] + order[:r % len(order)]:
-            samples[name].append(fn())
+    order, shuffle = list(fns), random.Random(seed).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for name in order:
+            samples[name].append(fns[name]())
     return {name: statistics.median(vals) for name, vals in samples.items()}
 
 
@@ -60,19 +64,40 @@ def copy_pair(nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 def copy_bandwidth(nbytes: int, device: torch.device, rounds: int = 7) -> float:
-    """Bytes per second of one plain tensor copy of ``nbytes`` (bytes copied, not bytes moved)."""
+    """Bytes moved per second by one plain copy of ``nbytes``: each byte copied is read once
+    and written once, 2 x nbytes per copy (the convention of STREAM's Copy and of CUDA's
+    bandwidthTest). A decode step only reads its weights: counted as bytes copied, the rate
+    would be half the memory's and the limit built from it twice as lenient."""
     src, dst = copy_pair(nbytes, device)
     dst.copy_(src)
-    return nbytes / statistics.median(timed(lambda: dst.copy_(src), device) for _ in range(rounds))
+    return 2 * nbytes / statistics.median(timed(lambda: dst.copy_(src), device) for _ in range(rounds))
 
 
-def matmul_rate(device: torch.device, size: int = 1024, rounds: int = 9) -> float:
-    """FLOP/s of the fastest of ``rounds`` square fp32 matrix products: about the most this
-    device does with any kernel, for bounds (the fastest round, since noise only slows)."""
-    a = torch.randn(size, size, device=device)
-    b, out = torch.randn_like(a), torch.empty_like(a)
-    torch.mm(a, b, out=out)
-    return 2 * size ** 3 / min(timed(lambda: torch.mm(a, b, out=out), device) for _ in range(rounds))
+class CacheFlush:
+    """Writes a buffer larger than the last-level cache (32 MiB on the development CPU, 50 MB
+    of L2 on an H200), so that the timed call after it finds none of its operands cached,
+    whichever contender ran before: the same start for every one of them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._scratch = empty_huge(((256 if device.type == "cuda" else 64) << 20,), torch.uint8, device)
+        self._value = 0
+
+    def __call__(self) -> None:
+        self._value = (self._value + 1) % 251
+        self._scratch.fill_(self._value)
+        sync(self._scratch.device)
+
+
+def matmul_rate(device: torch.device, sizes: tuple[int, ...] = (1024, 2048), rounds: int = 5) -> float:
+    """FLOP/s of the fastest square fp32 matrix product of ``sizes``, ``rounds`` each: about
+    the most this device does with any kernel, for bounds (the fastest, since noise only slows)."""
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size, device=device)
+        b, out = torch.randn_like(a), torch.empty_like(a)
+        torch.mm(a, b, out=out)
+        best = max(best, 2 * size ** 3 / min(timed(lambda: torch.mm(a, b, out=out), device) for _ in range(rounds)))
+    return best
 
 
 def verdict(name: str, value: float, target: float, higher_is_better: bool) -> dict:
