@@ -76,6 +76,7 @@ def _a_new_node_loads_them_all(folder: Path, expected: int) -> None:
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     context = Context()
     rclpy.init(context=context)
+    executor = spinner = None
     try:
         from rclpy.executors import SingleThreadedExecutor
         import threading
@@ -83,7 +84,8 @@ def _a_new_node_loads_them_all(folder: Path, expected: int) -> None:
         client_node = rclpy.create_node("crash_check", context=context)
         executor = SingleThreadedExecutor(context=context)
         executor.add_node(client_node)
-        threading.Thread(target=executor.spin, daemon=True).start()
+        spinner = threading.Thread(target=executor.spin, daemon=True)
+        spinner.start()
         client = client_node.create_client(SERVICES["list_capsules"], "/flashrt/list_capsules")
         assert client.wait_for_service(timeout_sec=90)
         deadline = time.monotonic() + 60
@@ -93,16 +95,24 @@ def _a_new_node_loads_them_all(folder: Path, expected: int) -> None:
                 break
             time.sleep(0.2)
         assert listed.success and len(listed.capsules) == expected, (len(listed.capsules), expected)
-        executor.shutdown()
-        client_node.destroy_node()
     finally:
+        # The executor first, whatever failed above: one left spinning on a shut-down context
+        # busy-loops, and once starved this very test's wait for the node process (a CI hang).
+        if executor is not None:
+            executor.shutdown(timeout_sec=5)
+            spinner.join(5)
+            client_node.destroy_node()
         context.try_shutdown()
         if saved is None:
             os.environ.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)
         else:
             os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = saved
         node.send_signal(signal.SIGTERM)
-        node.wait(15)
+        try:
+            node.wait(15)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
 
 
 _FULL_DISK = textwrap.dedent("""
