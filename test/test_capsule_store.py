@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flashrt_ros.capsule import BudgetExceeded
 from flashrt_ros.errors import ErrorCode
@@ -328,3 +329,99 @@ def test_a_shared_capsule_spilled_to_disk_counts_all_its_bytes_there_after_a_res
     assert again.capsules.get("f").nbytes == size
     assert again.capsules.used_bytes("disk") == size
     again.close()
+
+
+def test_a_spill_the_tier_below_cannot_take_evicts_instead_of_failing_half_way():
+    """Making room on the device for C moves A and B down; the host (a pinned capsule in it)
+    has room for A but never for B. B falls off the end, as from the last tier: the snapshot
+    does not fail with A moved and B not."""
+    from flashrt_ros.capsule.memory import DevicePool
+
+    a_size, b_size = _full_size(4), _full_size(10)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, spill=True, budgets={
+        "device": DevicePool.footprint(a_size) + DevicePool.footprint(b_size), "host": 2 * a_size + 1000})
+    engine.prefill(list(range(1, 5)))
+    engine.snapshot("A")
+    engine.snapshot("P", tier="host", pin=True)
+    engine.prefill(list(range(1, 7)))
+    engine.snapshot("B")
+    engine.prefill(list(range(1, 11)))                  # C needs the space of both
+    events = []
+    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.name)))
+    engine.snapshot("C")
+    assert {c.name: c.tier for c in engine.capsules.list()} == {"A": "host", "P": "host", "C": "device"}
+    assert ("spill", "A") in events and ("evict", "B") in events
+
+
+def test_a_failed_disk_write_costs_no_older_disk_capsule(tmp_path, monkeypatch):
+    import errno
+
+    from flashrt_ros.capsule import CapsuleError, diskformat
+
+    size = _full_size(4)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path,
+                                budgets={"disk": size + 100})
+    engine.prefill([1, 2, 3, 4])
+    old = engine.snapshot("old", tier="disk")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(diskformat, "save_file", full_disk)
+    with pytest.raises(CapsuleError, match="No space left"):
+        engine.snapshot("new", tier="disk")               # would have evicted "old" to make room
+    monkeypatch.undo()
+    assert [c.id for c in engine.capsules.list()] == [old.id]
+    assert engine.capsules.used_bytes("disk") == old.nbytes
+    engine.restore(old.id, verify=True)
+
+
+@pytest.mark.parametrize("lie", ["position past the arena", "unknown boundary kind", "id not an id",
+                                 "history hash", "ranges"])
+def test_a_resealed_file_that_describes_no_state_of_this_engine_is_skipped(tmp_path, lie, caplog):
+    """Header and data digests can be recomputed by anyone: the loader also checks that the
+    file describes a state this engine could have had."""
+    from flashrt_ros.capsule import diskformat
+    from flashrt_ros.capsule.store import _range_reader
+    from flashrt_ros.digest import history_digest, state_digest
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path)
+    engine.prefill([1, 2, 3, 4])
+    real = engine.snapshot("real", tier="disk")
+    header = diskformat.read_header(tmp_path / f"{real.id}{diskformat.SUFFIX}")
+    for key in ("version", "data_digest", "header_digest"):
+        header.pop(key)
+    regions, fixed = engine.arena.regions, engine.arena.fixed_bytes
+    position = 300 if lie == "position past the arena" else 4
+    ranges = engine.capsules.layout.ranges(min(position, 4))
+    total = sum(e - s for s, e in ranges)
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    data[:fixed] = 0
+    read = _range_reader(ranges, data)
+    if lie == "ranges":   # the same bytes, said to lie at other arena offsets
+        ranges = [(0, total)]
+    fake_id = "best" if lie == "id not an id" else "a" * 16
+    forged = dict(header, id=fake_id, name="forged", position=position, nbytes=total,
+                  ranges=[list(r) for r in ranges],
+                  log=[["bogus" if lie == "unknown boundary kind" else "prefill", 0, position]],
+                  digest=state_digest(regions, min(position, 4), read),
+                  history_hash="0" * 64 if lie == "history hash" else history_digest(regions, min(position, 4), read))
+    diskformat.write(tmp_path / f"{fake_id}{diskformat.SUFFIX}", forged, data)
+    engine.close()
+    reloaded = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path)
+    assert [c.name for c in reloaded.capsules.list()] == ["real"]
+    assert "skipping capsule file" in caplog.text
+
+
+def test_after_a_restart_the_oldest_disk_capsule_is_evicted_first(tmp_path):
+    size = _full_size(4)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path,
+                                budgets={"disk": 3 * size + 100})
+    engine.prefill([1, 2, 3, 4])
+    made = [engine.snapshot(f"d{i}", tier="disk") for i in range(3)]
+    engine.close()
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path,
+                                budgets={"disk": 3 * size + 100})
+    engine.prefill([1, 2, 3, 4])
+    engine.snapshot("d3", tier="disk")
+    assert sorted(c.name for c in engine.capsules.list()) == ["d1", "d2", "d3"], made

@@ -43,7 +43,9 @@ def path_for(folder: Path, capsule_id: str) -> Path:
 
 def write(path: Path, header: dict, data: torch.Tensor) -> None:
     """Atomically write ``data`` (uint8, host) with ``header``; raises CapsuleIOError."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    # The writer's pid in the name: an engine starting on the same folder removes only the
+    # debris of writers that are gone, never a file another engine is writing.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         data = data.contiguous()
         full = {"version": VERSION, **header, "data_digest": _data_digest(data)}
@@ -63,6 +65,27 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
         except OSError:  # the folder itself is gone or is not a folder: nothing was left there
             pass
         raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def stale_temp_files(folder: Path) -> list[Path]:
+    """Temp files of interrupted writes: their writer's process is gone (or unnamed)."""
+    stale = []
+    for tmp in folder.glob(f".*{SUFFIX}*.tmp"):
+        pid = tmp.name[:-len(".tmp")].rpartition(".")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))):
+            continue   # being written, by this process or by another one still running
+        stale.append(tmp)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process
+        return True
+    return True
 
 
 def read_header(path: Path) -> dict:

@@ -63,6 +63,10 @@ def check_name(name: str | None) -> str:
     return name
 
 
+def is_capsule_id(text: str) -> bool:
+    return isinstance(text, str) and _ID.fullmatch(text) is not None
+
+
 def check_tier(tier: str) -> str:
     if tier not in TIERS:
         raise InvalidCapsuleRequest(f"unknown tier {shown(tier)}; tiers are {', '.join(TIERS)}")

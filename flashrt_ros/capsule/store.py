@@ -26,7 +26,7 @@ from . import diskformat
 from .digest_queue import SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
-from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier
+from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier, is_capsule_id
 from .memory import Chunk, DevicePool, host_chunk
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,11 @@ class Layout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", tuple((r.offset, r.row_bytes) for r in self.regions if r.per_token))
+
+    @property
+    def max_position(self) -> int:
+        """The rows each per-token region has room for (the arena's max_seq_len)."""
+        return min((r.nbytes // r.row_bytes for r in self.regions if r.per_token), default=0)
 
     def ranges(self, position: int, start_position: int = 0) -> list[tuple[int, int]]:
         """The fixed block plus, for each per-token region, rows [start_position, position).
@@ -182,7 +187,7 @@ class CapsuleStore:
     def __init__(self, layout: Layout, model_fingerprint: str, device: torch.device,
                  budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
                  on_event: Callable[[str, CapsuleInfo], None] | None = None,
-                 lock: AbstractContextManager | None = None) -> None:
+                 lock: AbstractContextManager | None = None, log_kinds: Iterable[str] = ()) -> None:
         unknown = sorted(set(budgets) - set(TIERS))
         if unknown:
             raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
@@ -190,6 +195,7 @@ class CapsuleStore:
             if not isinstance(value, int) or value < 0:
                 raise InvalidCapsuleRequest(f"budget for {tier} must be an int >= 0, got {value!r}")
         self.layout, self.model_fingerprint, self.device = layout, model_fingerprint, device
+        self.log_kinds = frozenset(log_kinds)   # boundary kinds the engine can replay
         self.spill = spill
         self._budgets = dict(budgets)
         self._used = {t: 0 for t in TIERS}
@@ -308,6 +314,7 @@ class CapsuleStore:
         with self._lock:
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
+            source.last_used = time.monotonic()   # in use: the room the fork needs must not cost it
             if source.info.tier == "disk":
                 data, ranges = self._read_disk(source)
                 chunk = self._allocate("host", data.numel())
@@ -458,8 +465,22 @@ class CapsuleStore:
         return self._used[tier] + nbytes <= self._budgets.get(tier, 0)
 
     def _make_room(self, tier: str, nbytes: int, spare: Record | None = None) -> None:
+        victims = self._victims(tier, nbytes, spare)
+        for victim in victims:
+            if self._fits(tier, nbytes):
+                return
+            self._demote(victim)
+        if not self._fits(tier, nbytes):
+            raise BudgetExceeded(
+                f"{tier} tier: {nbytes} bytes do not fit even after spilling every unpinned capsule "
+                f"({self._used[tier]} of {self._budgets.get(tier, 0)} used)")
+
+    def _victims(self, tier: str, nbytes: int, spare: Record | None = None) -> list[Record]:
+        """The capsules to move down, least recently used first, for ``nbytes`` to fit in
+        ``tier`` ([] if they fit already). BudgetExceeded, before anything moves, if even
+        all of them would not make room."""
         if self._fits(tier, nbytes):
-            return
+            return []
         budget = self._budgets.get(tier, 0)
         # The pool rounds chunks up: compare what the chunk would take, or every capsule is
         # spilled for one that can never fit.
@@ -477,14 +498,7 @@ class CapsuleStore:
             raise BudgetExceeded(
                 f"{tier} tier: {nbytes} bytes would not fit even after spilling every unpinned capsule "
                 f"({self._used[tier]} of {budget} used; pinned capsules and those sharing their bytes stay)")
-        for victim in victims:
-            if self._fits(tier, nbytes):
-                return
-            self._demote(victim)
-        if not self._fits(tier, nbytes):
-            raise BudgetExceeded(
-                f"{tier} tier: {nbytes} bytes do not fit even after spilling every unpinned capsule "
-                f"({self._used[tier]} of {budget} used)")
+        return victims
 
     def _fits_without(self, tier: str, nbytes: int, victims: list[Record]) -> bool:
         """Whether ``nbytes`` would fit once every victim had left the tier: a chunk is freed
@@ -509,11 +523,14 @@ class CapsuleStore:
         return self._used[tier] - sum(c.nbytes for c in freed) + nbytes <= self._budgets.get(tier, 0)
 
     def _demote(self, record: Record) -> None:
-        """Move a capsule one tier down (device -> host -> disk), or drop it from the last tier."""
+        """Move a capsule one tier down (device -> host -> disk), or drop it from the last tier.
+
+        A capsule the tier below cannot take (pinned capsules fill it, or its budget is 0)
+        is dropped too, as from the last tier: the room was promised by _victims, and a
+        request must not fail half-way with some capsules moved."""
         lower = _LOWER[record.info.tier]
         if lower is None or (lower == "disk" and self.dir is None):
-            self._remove(record)
-            self._emit("evict", record.info)
+            self._evict(record)
             return
         self.digests.finish(record)  # the digest first, and the job's hold on the old tier ends now
         for p in record.pieces:
@@ -521,21 +538,29 @@ class CapsuleStore:
         data = torch.cat([p.view().cpu() for p in record.pieces]) if record.pieces else None
         ranges = [(p.start, p.end) for p in record.pieces]
         old = record.pieces
-        if lower == "host":
-            chunk = self._allocate("host", data.numel())
-            chunk.data.copy_(data)
-            chunk.refs += 1
-            record.pieces = _pieces_over(chunk, ranges)
-            record.info = replace(record.info, tier="host", nbytes=data.numel())
-        else:
-            # On disk a capsule holds all of its bytes: the header must say so, since a
-            # restart counts the disk tier from the headers.
-            info = replace(record.info, tier="disk", nbytes=data.numel())
-            record.path = self._write_disk(info, ranges, data, record.log)
-            record.pieces = []
-            record.info = info
+        try:
+            if lower == "host":
+                chunk = self._allocate("host", data.numel())
+                chunk.data.copy_(data)
+                chunk.refs += 1
+                record.pieces = _pieces_over(chunk, ranges)
+                record.info = replace(record.info, tier="host", nbytes=data.numel())
+            else:
+                # On disk a capsule holds all of its bytes: the header must say so, since a
+                # restart counts the disk tier from the headers.
+                info = replace(record.info, tier="disk", nbytes=data.numel())
+                record.path = self._write_disk(info, ranges, data, record.log)
+                record.pieces = []
+                record.info = info
+        except BudgetExceeded:
+            self._evict(record)
+            return
         self._release(old)
         self._emit("spill", record.info)
+
+    def _evict(self, record: Record) -> None:
+        self._remove(record)
+        self._emit("evict", record.info)
 
     def _remove(self, record: Record) -> None:
         del self._records[record.info.id]
@@ -580,10 +605,17 @@ class CapsuleStore:
     def _write_disk(self, info: CapsuleInfo, ranges: list[tuple[int, int]], data: torch.Tensor,
                     log_runs: tuple) -> Path:
         folder = self._require_dir()
-        self._make_room("disk", data.numel())
+        self._victims("disk", data.numel())   # refused here, nothing written or evicted yet
         header = _info_fields(info) | {"ranges": [list(r) for r in ranges], "log": [list(run) for run in log_runs]}
         path = diskformat.path_for(folder, info.id)
         diskformat.write(path, header, data)
+        try:
+            # Older capsules leave only once the new one is safely on disk: a failed write
+            # (a full disk) must not have cost them.
+            self._make_room("disk", data.numel())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         self._used["disk"] += data.numel()
         return path
 
@@ -594,38 +626,59 @@ class CapsuleStore:
         if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
                 [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
             raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} no longer describes this capsule")
-        if _log_from_header(header, info.position) != record.log:   # what a rollback past it replays
+        if _log_from_header(header, info.position, self.log_kinds) != record.log:   # what a rollback replays
             raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} has another boundary log")
         data = diskformat.read_data(record.path, header)
         ranges = [tuple(r) for r in header["ranges"]]
-        actual = state_digest(self.layout.regions, record.info.position, _range_reader(ranges, data))
+        if _merged(ranges) != self.layout.ranges(info.position):   # what a restore would write, exactly
+            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} holds other arena ranges "
+                                 f"than a capsule at position {info.position}")
+        read = _range_reader(ranges, data)
+        actual = state_digest(self.layout.regions, record.info.position, read)
         if actual != record.info.digest or header.get("digest") != record.info.digest:
             raise CorruptCapsule(f"capsule {record.info.id}: file {record.path.name} does not match its digest")
+        if history_digest(self.layout.regions, info.position, read) != info.history_hash:
+            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} does not match its history hash")
         return data, ranges
 
     def _load_disk(self) -> None:
         folder = self.dir
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            for stale in folder.glob(f".*{diskformat.SUFFIX}.tmp"):
+            for stale in diskformat.stale_temp_files(folder):
                 stale.unlink(missing_ok=True)   # debris of an interrupted write: never a capsule
             files = sorted(folder.glob(f"*{diskformat.SUFFIX}"))
         except OSError as exc:
             raise CapsuleIOError(f"capsule_dir {folder}: {exc.strerror or exc}") from None
+        loaded = []
         for path in files:
             try:
                 header = diskformat.read_header(path)
                 info = _info_from_header(header, self.layout.table)
                 # What the file holds, whatever the header's own count says.
                 info = replace(info, nbytes=sum(e - s for s, e in header["ranges"]))
-                record = Record(info, [], _log_from_header(header, info.position), path)
+                if not is_capsule_id(info.id) or path.name != diskformat.path_for(folder, info.id).name:
+                    raise CorruptCapsule(f"{path.name}: not the file of a capsule id (16 hex digits) {info.id!r:.40}")
+                if info.position > self.layout.max_position:
+                    raise CorruptCapsule(f"{path.name}: position {info.position} is past this arena's "
+                                         f"{self.layout.max_position} rows")
+                record = Record(info, [], _log_from_header(header, info.position, self.log_kinds), path)
                 self.check_compatible(record)
-                if path.name != diskformat.path_for(folder, info.id).name or info.id in self._records:
-                    raise CorruptCapsule(f"{path.name}: file name does not match capsule id {info.id!r}")
                 self._read_disk(record)
             except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
                 log.warning("skipping capsule file %s: %s", path.name, exc)
                 continue
+            loaded.append(record)
+        now, names = time.time(), set()
+        for record in sorted(loaded, key=lambda r: r.info.created):
+            info = record.info
+            if info.name and info.name in names:   # two engines shared the folder: the older one keeps it
+                log.warning("capsule file %s: name %r is taken by an older capsule; loaded without a name "
+                            "(its id still reaches it)", record.path.name, info.name)
+                info = record.info = replace(info, name="")
+            names.add(info.name)
+            # Least recently used first, across a restart too: by age.
+            record.last_used = time.monotonic() - max(0.0, now - info.created)
             self._records[info.id] = record
             self._used["disk"] += info.nbytes
 
@@ -637,6 +690,18 @@ def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]
         pieces.append(Piece(s, e, chunk, offset))
         offset += e - s
     return pieces
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges in order, touching ones joined (overlapping or unordered ones kept apart, so
+    that they never compare equal to a layout's ranges)."""
+    out: list[tuple[int, int]] = []
+    for s, e in ranges:
+        if out and s == out[-1][1]:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
 
 
 def _range_reader(ranges: Sequence[tuple[int, int]], data: torch.Tensor) -> Callable[[int, int], object]:
@@ -662,14 +727,16 @@ _INFO_KEYS = ("id", "name", "parent", "position", "nbytes", "tier", "pinned", "c
               "layout_fingerprint", "digest", "history_hash")
 
 
-def _log_from_header(header: dict, position: int) -> tuple:
-    """The boundary log: runs [kind, start, count] that tile positions [0, position) in order.
-    Rollback replays it, so a header that lies here must not load."""
+def _log_from_header(header: dict, position: int, kinds: frozenset[str] = frozenset()) -> tuple:
+    """The boundary log: runs [kind, start, count] that tile positions [0, position) in order,
+    each of a kind the engine replays (``kinds``; any, if empty). Rollback replays it, so a
+    header that lies here must not load."""
     runs, end = header.get("log"), 0
     if not isinstance(runs, list):
         raise CorruptCapsule("capsule header log is not a list of runs")
     for run in runs:
         if not (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str)
+                and (not kinds or run[0] in kinds)
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in run[1:])
                 and run[1] == end and run[2] >= 1):
             raise CorruptCapsule(f"capsule header log run {str(run)[:60]} does not continue at position {end}")

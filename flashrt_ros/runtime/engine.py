@@ -96,7 +96,8 @@ class Engine:
         budgets.update(opts["budgets"] or {})
         self.capsules = CapsuleStore(
             Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
-            self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"], lock=self._lock)
+            self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"], lock=self._lock,
+            log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE))
         self._log = BoundaryLog()
         self._ring = RollbackRing(depth, self.arena.fixed_bytes, self.device)
         self.capsules.before_free.append(self._ring.unborrow)
