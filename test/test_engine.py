@@ -182,10 +182,13 @@ def test_bad_observation_is_refused_without_a_step(obs, words):
     assert engine.state_digest() == before and engine.position == 0
 
 
-def test_an_observation_that_overflows_inside_the_model_is_undone_and_refused():
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+def test_an_observation_that_overflows_inside_the_model_is_undone_and_refused(fixed_shapes):
     """3.4e38 is finite, so it passes the input check, but it overflows in the projector;
-    kept, it would make every later action NaN."""
-    engine, reference = Engine.from_config(POLICY), Engine.from_config(POLICY)
+    kept, it would make every later action NaN. Fixed-shape decode reads (and masks) the
+    rows past the position too: the undone step's rows must not hold NaN either."""
+    engine = Engine.from_config(POLICY, static_shapes=fixed_shapes)
+    reference = Engine.from_config(POLICY, static_shapes=fixed_shapes)
     obs = torch.linspace(-1, 1, 10)
     engine.step(obs)
     reference.step(obs)
@@ -194,6 +197,7 @@ def test_an_observation_that_overflows_inside_the_model_is_undone_and_refused():
         engine.step(torch.full((10,), 3.4e38))
     assert engine.state_digest() == before and engine.position == 1
     assert torch.equal(engine.step(obs * 2), reference.step(obs * 2))
+    assert engine.generate(2) == reference.generate(2)
     assert engine.state_digest() == reference.state_digest()
 
 

@@ -115,3 +115,19 @@ def test_broken_checkpoints_are_refused_with_the_reason(hf_dir, tmp_path, damage
 def test_missing_folder_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a folder"):
         Engine.from_pretrained(tmp_path / "nope")
+
+
+def test_weights_equal_only_once_cast_to_the_compute_dtype_are_another_model():
+    """The model keeps norms, A_log and dt_bias in fp32 even in bf16: a checkpoint that
+    differs from another only below bf16 resolution there computes other numbers."""
+    weights = seeded_weights(CFG, seed=0)
+    other = {name: t.clone() for name, t in weights.items()}
+    for name, t in other.items():
+        if name.endswith(("norm.weight", "A_log", "dt_bias")):
+            rounded = t.to(torch.bfloat16).float()
+            other[name] = rounded + 0.5 * (t - rounded)   # between t and its bf16 rounding
+    assert all(torch.equal(weights[n].to(torch.bfloat16), other[n].to(torch.bfloat16)) for n in weights)
+    a, b = (Engine(CFG, w, dtype=torch.bfloat16, max_seq_len=32) for w in (weights, other))
+    assert a.model_fingerprint != b.model_fingerprint
+    assert Engine(CFG, weights, dtype=torch.bfloat16, max_seq_len=32).model_fingerprint == a.model_fingerprint
+    assert Engine(CFG, weights, max_seq_len=32).model_fingerprint != a.model_fingerprint   # fp32 computes otherwise

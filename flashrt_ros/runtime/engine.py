@@ -82,8 +82,10 @@ class Engine:
     def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
         self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len)
-        self.model_fingerprint = weights_io.fingerprint(cfg, {n: t.to(self.dtype) if t.is_floating_point() else t
-                                                              for n, t in weights.items()})
+        # The weights as given plus the dtype the engine computes in: the model keeps norms,
+        # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it
+        # are not the same model (hashing the cast weights once let such a model's capsule in).
+        self.model_fingerprint = weights_io.fingerprint(cfg, weights, self.dtype)
         # 3. allocate the arena (one allocation) and hand the model its views
         self.arena = StateArena(state_specs(cfg, self.max_seq_len, self.dtype), self.device)
         self.model.bind(self.arena)
@@ -309,6 +311,11 @@ class Engine:
             # inside the model; left in, every later action would be NaN. Undo the step instead.
             if not (torch.isfinite(action).all() and torch.isfinite(self.model.last_hidden).all()):
                 self._go_back(1)
+                # The step's own KV rows are past the position now, but fixed-shape decode (and
+                # the CUDA graph) reads every row and masks scores: 0 x NaN would still be NaN.
+                for region, view in self.arena.live_views(self._position + 1):
+                    if region.per_token:
+                        view[self._position].zero_()
                 raise InvalidArgument(f"observation (largest magnitude {obs.abs().max().item():.3g}) drove the "
                                       "state to NaN or infinity; the step was undone")
             return _handed_out(action)

@@ -230,10 +230,13 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch
               metadata={"format": "pt"})
 
 
-def fingerprint(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> str:
-    """blake2b of the config and of every weight's name, dtype, shape and bytes."""
+def fingerprint(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
+    """blake2b of the config, the compute dtype (if given), and every weight's name, dtype,
+    shape and bytes."""
     h = hashlib.blake2b(digest_size=16)
     h.update(cfg.fingerprint().encode())
+    if dtype is not None:
+        h.update(f"|compute {dtype}|".encode())
     for name in sorted(weights):
         t = weights[name].detach().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
