@@ -67,6 +67,7 @@ def test_moe_variants_are_refused_until_supported(model_type):
     ({"rope_parameters": [1]}, "malformed config: AttributeError"),
     ({"layer_types": 5}, "malformed config: TypeError"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),   # would tie
 ])
 def test_bad_configs_name_the_problem(change, words):
     raw = ModelConfig.tiny().to_hf_config() | change

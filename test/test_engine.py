@@ -117,10 +117,22 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(case):
     ({"max_seq_len": True}, "positive int"),
     ({"decode_threads": -1}, "decode_threads must be an int >= 0"),
     ({"prefill_chunk": "x"}, "prefill_chunk must be an int >= 1"),
+    ({"static_shapes": "false"}, "static_shapes must be True or False"),   # bool("false") is True
+    ({"spill": 1}, "spill must be True or False"),
 ])
 def test_bad_engine_arguments_are_refused(kwargs, words):
     with pytest.raises(InvalidArgument, match=words):
         Engine.from_config(ModelConfig.tiny(), **kwargs)
+
+
+@pytest.mark.parametrize("n, sync_every", [(2, "x"), (2, -1), (-1, 1)])
+def test_a_bad_stream_call_fails_when_made_and_commits_nothing(n, sync_every):
+    engine = Engine.from_config(ModelConfig.tiny())
+    engine.prefill(PROMPT)
+    before = engine.state_digest()
+    with pytest.raises(InvalidArgument):
+        engine.stream(n, sync_every=sync_every)    # not at the first next()
+    assert engine.state_digest() == before and engine.position == len(PROMPT)
 
 
 @pytest.mark.parametrize("damage, words", [

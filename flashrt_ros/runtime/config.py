@@ -26,6 +26,13 @@ def _interleaved_layer_types(num_layers: int, full_every: int) -> tuple[str, ...
     return tuple(FULL if (i + 1) % full_every == 0 else LINEAR for i in range(num_layers))
 
 
+def _json_bool(value: Any, key: str) -> bool:
+    """A JSON true/false: bool("false") would be True, and tie the embeddings unasked."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"config {key} must be true or false, got {value!r:.40}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
@@ -230,7 +237,8 @@ class ModelConfig:
             partial_rotary_factor=float(
                 rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
             max_position_embeddings=text.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=_json_bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+                                           "tie_word_embeddings"),
             mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 1),
             obs_dim=text.get("obs_dim", 0),
             action_dim=text.get("action_dim", 0),

@@ -63,6 +63,9 @@ class Engine:
         for key, least in (("prefill_chunk", 1), ("decode_threads", 0), ("rollback_depth", 1)):
             if not _is_int(opts[key]) or opts[key] < least:
                 raise InvalidArgument(f"{key} must be an int >= {least}, got {opts[key]!r}")
+        for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill"):
+            if not isinstance(opts[key], bool):   # bool("false") is True
+                raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
         weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
         self.config = cfg
         self.device = torch.device(device)
@@ -270,10 +273,17 @@ class Engine:
         one decode step. ``sync_every``: read tokens back every k steps (one
         device sync each); 0 reads them all at the end.
         """
+        # Checked here, not in the generator: a bad call must fail when made, before any
+        # token is committed, not at the first next().
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"number of tokens must be an int >= 0, got {n!r}")
+        if not _is_int(sync_every) or sync_every < 0:
+            raise InvalidArgument(f"sync_every must be an int >= 0, got {sync_every!r}")
         with self._lock:
             self._check_room(n)
+        return self._stream(n, sync_every)
+
+    def _stream(self, n: int, sync_every: int) -> Iterator[int]:
         # Each step copies its token into a device-side list under the lock, so the
         # result is right even if another caller restores state between two steps,
         # and reading it back costs one sync per ``sync_every`` tokens, not per token.
