@@ -68,6 +68,10 @@ def test_moe_variants_are_refused_until_supported(model_type):
     ({"layer_types": 5}, "malformed config: TypeError"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),   # would tie
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}}, "rope_theta must be a finite number > 0"),
+    ({"obs_dim": 2.5, "action_dim": 2}, "obs_dim must be an int"),
+    ({"eos_token_id": [1, "x"]}, "eos_token_ids must be token ids"),
 ])
 def test_bad_configs_name_the_problem(change, words):
     raw = ModelConfig.tiny().to_hf_config() | change

@@ -131,3 +131,24 @@ def test_weights_equal_only_once_cast_to_the_compute_dtype_are_another_model():
     assert a.model_fingerprint != b.model_fingerprint
     assert Engine(CFG, weights, dtype=torch.bfloat16, max_seq_len=32).model_fingerprint == a.model_fingerprint
     assert Engine(CFG, weights, max_seq_len=32).model_fingerprint != a.model_fingerprint   # fp32 computes otherwise
+
+
+@pytest.mark.parametrize("dims", [("a", "b"), 5, (2.7, 3), (True, 2), (-1, 2)])
+def test_bad_policy_dims_are_refused(tmp_path, dims):
+    from flashrt_ros.errors import InvalidArgument
+
+    save_checkpoint(tmp_path, CFG, seeded_weights(CFG))
+    with pytest.raises(InvalidArgument, match="policy_dims must be"):
+        Engine.from_pretrained(tmp_path, policy_dims=dims)
+
+
+def test_a_tensor_stored_twice_is_refused_not_silently_replaced(tmp_path):
+    from safetensors.torch import save_file
+
+    weights = seeded_weights(CFG)
+    save_checkpoint(tmp_path, CFG, weights)
+    save_file({"model.norm.weight": torch.zeros_like(weights["model.norm.weight"])}, str(tmp_path / "extra.safetensors"))
+    index = {"weight_map": {name: "model.safetensors" for name in weights} | {"model.norm.weight": "extra.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="stored twice"):
+        Engine.from_pretrained(tmp_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,12 +89,22 @@ class ModelConfig:
         if self.mtp_num_hidden_layers not in (0, 1):
             raise InvalidArgument(
                 f"mtp_num_hidden_layers={self.mtp_num_hidden_layers} is not supported (0 or 1)")
+        for name in ("obs_dim", "action_dim", "mtp_num_hidden_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgument(f"config field {name} must be an int, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            value = getattr(self, name)   # NaN or infinity here gives NaN (or zero) logits, silently
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise InvalidArgument(f"config field {name} must be a finite number > 0, got {value!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                   for t in self.eos_token_ids):
+            raise InvalidArgument(f"eos_token_ids must be token ids below vocab_size, got {self.eos_token_ids!r}")
         if self.obs_dim < 0 or self.action_dim < 0 or (self.obs_dim == 0) != (self.action_dim == 0):
             raise InvalidArgument(
                 f"policy mode needs obs_dim and action_dim both > 0 (or both 0 to turn it off), "
                 f"got obs_dim={self.obs_dim}, action_dim={self.action_dim}")
-        if self.rms_norm_eps <= 0:
-            raise InvalidArgument(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InvalidArgument
 from .config import FULL, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,9 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     cfg = ModelConfig.from_json(path / "config.json")
     replaced_heads = False
     if policy_dims is not None:
+        if not (isinstance(policy_dims, (tuple, list)) and len(policy_dims) == 2
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in policy_dims)):
+            raise InvalidArgument(f"policy_dims must be (obs_dim, action_dim), two ints >= 0, got {policy_dims!r}")
         stored = (cfg.obs_dim, cfg.action_dim)
         cfg = dataclasses.replace(cfg, obs_dim=int(policy_dims[0]), action_dim=int(policy_dims[1]))
         replaced_heads = stored != (cfg.obs_dim, cfg.action_dim)
@@ -201,6 +204,8 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
                         if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
                             log.warning("ignoring unexpected tensor %s in %s", raw_name, file.name)
                         continue
+                    if name in weights:   # in two shards, or under two names: which one is meant?
+                        raise CheckpointError(f"{file.name}: tensor {raw_name} is stored twice in {path}")
                     tensor = reader.get_tensor(raw_name)
                     if tuple(tensor.shape) != shapes[name]:
                         raise CheckpointError(
