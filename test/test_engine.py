@@ -119,6 +119,8 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(case):
     ({"prefill_chunk": "x"}, "prefill_chunk must be an int >= 1"),
     ({"static_shapes": "false"}, "static_shapes must be True or False"),   # bool("false") is True
     ({"spill": 1}, "spill must be True or False"),
+    ({"budgets": 5}, "budgets must be a dict"),
+    ({"capsule_dir": 5}, "capsule_dir must be a path"),
 ])
 def test_bad_engine_arguments_are_refused(kwargs, words):
     with pytest.raises(InvalidArgument, match=words):

@@ -38,7 +38,10 @@ class CapsuleInfo:
     name: str
     parent: str
     position: int
-    nbytes: int                 # bytes this capsule holds of its own (shared prefixes not counted)
+    # Bytes this capsule added to its tier when made (shared prefixes are counted once, by the
+    # capsule that copied them, and stay counted while any capsule uses them): the tier's
+    # used_bytes is not the sum of these once a capsule others share with is dropped.
+    nbytes: int
     tier: str
     pinned: bool
     created: float              # seconds since the epoch

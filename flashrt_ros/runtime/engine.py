@@ -8,6 +8,7 @@ consistent, so a snapshot can slot in between any two of them.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -63,6 +64,10 @@ class Engine:
         for key, least in (("prefill_chunk", 1), ("decode_threads", 0), ("rollback_depth", 1)):
             if not _is_int(opts[key]) or opts[key] < least:
                 raise InvalidArgument(f"{key} must be an int >= {least}, got {opts[key]!r}")
+        if opts["budgets"] is not None and not isinstance(opts["budgets"], dict):
+            raise InvalidArgument(f"budgets must be a dict of bytes per tier, got {opts['budgets']!r:.60}")
+        if opts["capsule_dir"] is not None and not isinstance(opts["capsule_dir"], (str, os.PathLike)):
+            raise InvalidArgument(f"capsule_dir must be a path, got {opts['capsule_dir']!r:.60}")
         for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill"):
             if not isinstance(opts[key], bool):   # bool("false") is True
                 raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
