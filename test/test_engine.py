@@ -224,3 +224,18 @@ def test_an_engine_used_as_a_context_manager_stops_its_digest_thread_on_exit():
         assert engine.capsules.get(capsule.id).digest
         assert engine.capsules.digests.alive
     assert not engine.capsules.digests.alive
+
+
+def test_numpy_integers_are_ints_and_bools_are_not_token_ids():
+    import numpy as np
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=np.int64(64))
+    engine.prefill(np.array([1, 2, 3]))
+    assert len(engine.generate(np.int64(2))) == 2
+    assert engine.rollback(steps=np.int32(1)) == 4 and engine.rollback(to_position=np.int64(3)) == 3
+    before = engine.state_digest()
+    with pytest.raises(InvalidArgument, match="bool"):
+        engine.prefill([True, 2])
+    with pytest.raises(InvalidArgument):
+        engine.generate(True)
+    assert engine.state_digest() == before

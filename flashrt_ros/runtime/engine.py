@@ -8,11 +8,13 @@ consistent, so a snapshot can slot in between any two of them.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
@@ -75,7 +77,7 @@ class Engine:
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = int(max_seq_len)
         self.seeded_weights = tuple(seeded)
         self._prefill_chunk = int(opts["prefill_chunk"])
         self._flush_denormal = bool(opts["flush_denormal"]) and self.device.type == "cpu"
@@ -99,8 +101,8 @@ class Engine:
         self.model.bind(self.arena)
         self.layout_fingerprint = self.arena.layout_fingerprint()
         self._position = 0
-        depth = opts["rollback_depth"]
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        depth = int(opts["rollback_depth"])
+        if not _is_int(depth) or depth < 1:
             raise InvalidArgument(f"rollback_depth must be an int >= 1, got {depth!r}")
         budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
         budgets.update(opts["budgets"] or {})
@@ -280,8 +282,9 @@ class Engine:
         """
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not _is_int(n) or n < 0:
             raise InvalidArgument(f"number of tokens must be an int >= 0, got {n!r}")
+        n = int(n)
         if not _is_int(sync_every) or sync_every < 0:
             raise InvalidArgument(f"sync_every must be an int >= 0, got {sync_every!r}")
         with self._lock:
@@ -434,8 +437,9 @@ class Engine:
         with self._work():
             if to_position is not None:
                 return self._rollback_to(to_position)
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            if not _is_int(steps) or steps < 0:
                 raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {steps!r}")
+            steps = int(steps)
             kept = len(self._ring.entries) - 1
             if steps > kept:
                 raise InvalidCapsuleRequest(f"cannot roll back {steps} boundaries: {kept} are kept "
@@ -453,8 +457,9 @@ class Engine:
             self._base = (self._base[0], min(self._base[1], entry.position))
 
     def _rollback_to(self, target: int) -> int:
-        if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target <= self._position:
+        if not _is_int(target) or not 0 <= target <= self._position:
             raise InvalidCapsuleRequest(f"to_position must be an int in [0, {self._position}], got {target!r}")
+        target = int(target)
         logged = BoundaryLog(self._log.snapshot())
         tokens = self.model.tokens[:target].tolist()
         observations = None if self.model.observations is None else self.model.observations[:target].clone()
@@ -494,6 +499,8 @@ class Engine:
             raise InvalidArgument("token ids are empty")
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
             raise InvalidArgument(f"token ids must be integers, got dtype {ids.dtype}")
+        if isinstance(token_ids, (list, tuple)) and any(isinstance(t, bool) for t in token_ids):
+            raise InvalidArgument("token ids must be integers, got a bool among them")   # True would be id 1
         ids = ids.flatten().to(torch.int64)
         bad = (ids < 0) | (ids >= self.config.vocab_size)
         if bad.any():
@@ -517,4 +524,5 @@ def _handed_out(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int, NumPy's included; never a bool (True is 1 to Python, and a mistake here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
