@@ -101,3 +101,25 @@ def test_bad_rollbacks_are_refused_and_change_nothing(tiny_engine, kwargs, words
         tiny_engine.rollback(**kwargs)
     assert isinstance(info.value, CapsuleError) and info.value.code == ErrorCode.INVALID_ARGUMENT
     assert tiny_engine.state_digest() == before
+
+
+def test_a_rollback_whose_replay_fails_leaves_the_state_as_it_was():
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, rollback_depth=1)
+    engine.prefill(list(range(1, 11)))
+    engine.generate(5)
+    before, position = engine.state_digest(), engine.position
+    replay, calls = engine._replay, []
+
+    def failing(*args):   # a fault in the middle of the replay: the prefill run went through
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+        return replay(*args)
+
+    engine._replay = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.rollback(to_position=13)
+    del engine._replay
+    assert calls == ["prefill", "decode"]
+    assert engine.state_digest() == before and engine.position == position
+    assert engine.rollback(to_position=13) == 13   # and it still works

@@ -463,6 +463,9 @@ class Engine:
         logged = BoundaryLog(self._log.snapshot())
         tokens = self.model.tokens[:target].tolist()
         observations = None if self.model.observations is None else self.model.observations[:target].clone()
+        # What the replay may change, kept so that a failed one changes nothing: the fixed
+        # block, and (taken below, once the start is known) the rows it rewrites.
+        before = (self.arena.buffer[:self.arena.fixed_bytes].clone(), self._position, self._base)
         back = self._ring.newest_at_or_before(target)
         if back is not None:
             self._go_back(back)
@@ -473,10 +476,22 @@ class Engine:
             self._ring.clear()
             self._ring.push(self.arena.buffer, 0)
             self._base = None if self._base is None else (self._base[0], 0)
-        for kind, start, count in logged.between(self._position, target):
-            self._replay(kind, start, count, tokens, observations)
-        if self.model.tokens[:target].tolist() != tokens:
-            raise FlashRTError(f"replay to position {target} did not reproduce the logged tokens")
+        start = self._position
+        rows = [(view, view[start:target].clone()) for r, view in self.arena.live_views(self.max_seq_len)
+                if r.per_token]
+        try:
+            for kind, first, count in logged.between(start, target):
+                self._replay(kind, first, count, tokens, observations)
+            if self.model.tokens[:target].tolist() != tokens:
+                raise FlashRTError(f"replay to position {target} did not reproduce the logged tokens")
+        except BaseException:
+            self.arena.buffer[:self.arena.fixed_bytes].copy_(before[0])
+            for view, saved in rows:
+                view[start:target].copy_(saved)
+            self._position, self._base, self._log = before[1], before[2], logged
+            self._ring.clear()   # the steps back it held are gone; the state is the one before
+            self._ring.push(self.arena.buffer, self._position)
+            raise
         return self._position
 
     def _replay(self, kind: str, start: int, count: int, tokens: list[int], observations) -> None:
