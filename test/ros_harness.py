@@ -80,9 +80,9 @@ class Harness:
 
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=5)
+        self._thread.join(5)   # before the nodes go: a handler still running would touch them
         self.node.destroy_node()
         self.client.destroy_node()
-        self._thread.join(5)
 
 
 def _client_node(context):
