@@ -147,7 +147,6 @@ class DigestQueue:
                     return
                 job.state = RUNNING
             self._work_on(job)
-            del job  # an idle worker must not keep the last capsule's chunks (host memory) alive
 
     def _work_on(self, job: Job) -> None:
         try:

@@ -508,13 +508,10 @@ class CapsuleStore:
         held: dict[int, int] = {}
         chunks: dict[int, Chunk] = {}
         for victim in victims:
-            job = victim.job
-            job_holds = job is not None and job.state != SETTLED
-            for chunk in {id(p.chunk): p.chunk for p in victim.pieces}.values():
-                chunks[id(chunk)] = chunk
-                held[id(chunk)] = held.get(id(chunk), 0) + 1
-            if job_holds:
-                for chunk in {id(p.chunk): p.chunk for p in job.pieces}.values():
+            # One hold per chunk for the record, one more for its digest job until settled.
+            holders = [victim.pieces] + ([victim.job.pieces] if victim.job and victim.job.state != SETTLED else [])
+            for pieces in holders:
+                for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
                     chunks[id(chunk)] = chunk
                     held[id(chunk)] = held.get(id(chunk), 0) + 1
         freed = [c for key, c in chunks.items() if held[key] == c.refs]

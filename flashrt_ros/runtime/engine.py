@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
@@ -101,9 +100,7 @@ class Engine:
         self.model.bind(self.arena)
         self.layout_fingerprint = self.arena.layout_fingerprint()
         self._position = 0
-        depth = int(opts["rollback_depth"])
-        if not _is_int(depth) or depth < 1:
-            raise InvalidArgument(f"rollback_depth must be an int >= 1, got {depth!r}")
+        depth = int(opts["rollback_depth"])   # checked in __init__
         budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
         budgets.update(opts["budgets"] or {})
         self.capsules = CapsuleStore(
@@ -331,9 +328,9 @@ class Engine:
                 self._go_back(1)
                 # The step's own KV rows are past the position now, but fixed-shape decode (and
                 # the CUDA graph) reads every row and masks scores: 0 x NaN would still be NaN.
-                for region, view in self.arena.live_views(self._position + 1):
+                for region in self.arena.regions:
                     if region.per_token:
-                        view[self._position].zero_()
+                        self.arena[region.name][self._position].zero_()
                 raise InvalidArgument(f"observation (largest magnitude {obs.abs().max().item():.3g}) drove the "
                                       "state to NaN or infinity; the step was undone")
             return _handed_out(action)
@@ -540,4 +537,4 @@ def _handed_out(t: torch.Tensor) -> torch.Tensor:
 
 def _is_int(value: Any) -> bool:
     """An int, NumPy's included; never a bool (True is 1 to Python, and a mistake here)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
