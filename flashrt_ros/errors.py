@@ -19,6 +19,7 @@ class ErrorCode(IntEnum):
     NOT_ACTIVE = 7
     IO_ERROR = 8
     INTERNAL = 9
+    PREEMPTED = 10
 
 
 def shown(value: object, limit: int = 80) -> str:
@@ -56,3 +57,9 @@ class Busy(FlashRTError):
     """Another operation that cannot run alongside this one is in progress."""
 
     code = ErrorCode.BUSY
+
+
+class Preempted(FlashRTError):
+    """A restore, rollback or reset replaced the state that a running generation was extending."""
+
+    code = ErrorCode.PREEMPTED

@@ -239,3 +239,35 @@ def test_numpy_integers_are_ints_and_bools_are_not_token_ids():
     with pytest.raises(InvalidArgument):
         engine.generate(True)
     assert engine.state_digest() == before
+
+
+def test_a_restore_or_rollback_between_two_tokens_stops_a_stream_there():
+    """A stream extends the state it started from; once another call replaces that state,
+    it stops with Preempted instead of going on from a state it did not build."""
+    from flashrt_ros.errors import Preempted
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    engine.prefill(list(b"go to the door"))
+    start = engine.snapshot()
+    for replace in (lambda: engine.restore(start), lambda: engine.rollback(steps=1),
+                    lambda: engine.rollback(to_position=start.position), engine.reset):
+        engine.restore(start)
+        stream = engine.stream(6)
+        made = [next(stream), next(stream)]
+        replace()
+        position, digest = engine.position, engine.state_digest()
+        with pytest.raises(Preempted, match="after 2 of 6 tokens") as info:
+            made += list(stream)
+        assert info.value.code == ErrorCode.PREEMPTED and len(made) == 2
+        assert engine.position == position and engine.state_digest() == digest   # nothing more committed
+
+    # What extends the state, or leaves it as it was, does not stop a stream.
+    engine.restore(start)
+    stream = engine.stream(4)
+    made = [next(stream)]
+    engine.snapshot()
+    engine.rollback(steps=0)
+    engine.rollback(to_position=engine.position)
+    made += list(stream)
+    engine.restore(start)
+    assert made == engine.generate(4)

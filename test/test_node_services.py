@@ -234,6 +234,47 @@ def test_generate_refusals_and_cancel(live):
     assert res.position == h.node.engine.position  # stopped at a committed boundary
 
 
+def test_a_restore_during_a_goal_stops_it_there_as_preempted(live):
+    """The goal extends the state it started from; a Restore between two tokens replaces that
+    state, so the goal stops (PREEMPTED) and reports only the tokens it made before."""
+    from flashrt_ros.runtime import Engine, ModelConfig
+
+    h = live
+    _prefill(h)
+    start = h.call("snapshot", name="start")
+    _ok(start)
+    _, result = h.generate(max_new_tokens=400)   # continues the live state
+    deadline = time.monotonic() + 30
+    while h.node.engine.position < 24 + 5 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    _ok(h.call("restore", capsule_id=start.capsule_id))
+    answer = wait_future(result).result
+    assert not answer.success and answer.error_code == ErrorCode.PREEMPTED, answer.message
+    assert "restore or rollback" in answer.message
+    assert answer.position == h.node.engine.position == 24   # nothing committed after the restore
+    reference = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512)
+    reference.prefill(list(range(1, 25)))
+    assert len(answer.tokens) >= 5 and list(answer.tokens) == reference.generate(len(answer.tokens))
+
+
+def test_snapshot_echoes_its_request_id_and_a_live_fork_takes_the_default_tier(live):
+    h = live
+    _prefill(h)
+    traced = h.call("snapshot", request_id="trace-42")
+    _ok(traced)
+    assert "trace-42" in traced.message
+    _ok(h.call("snapshot"))
+    from rclpy.parameter import Parameter
+
+    assert h.node.set_parameters([Parameter("default_tier", value="host")])[0].successful
+    plain = h.call("snapshot")
+    fork = h.call("fork", name="live-branch")
+    _ok(plain)
+    _ok(fork)
+    assert plain.capsule.tier == fork.capsule.tier == "host"
+    assert h.call("fork", source_id=fork.capsule_id).capsule.tier == "host"   # a capsule's fork: its tier
+
+
 def test_events_status_and_diagnostics_are_published(live):
     from diagnostic_msgs.msg import DiagnosticArray
 

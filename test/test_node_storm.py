@@ -96,7 +96,10 @@ def test_storm_of_clients_equals_its_sequential_replay(ros_context):
         fresh = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512, rollback_depth=4)
         report = replay(entries, fresh)
         assert report.entries == len(entries) and report.tokens > 0 and report.actions > 0
-        assert report.capsule_calls >= 30 and [c for op, c in answers if op == "generate"] == [0, 0]
+        assert report.capsule_calls >= 30
+        # A goal finishes, or a restore or rollback between two of its tokens stops it.
+        goals = [c for op, c in answers if op == "generate"]
+        assert len(goals) == 2 and set(goals) <= {ErrorCode.OK, ErrorCode.PREEMPTED}, goals
         assert fresh.state_digest() == final
     finally:
         h.close()

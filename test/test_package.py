@@ -33,9 +33,9 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 ERROR_CODES = [
     "OK", "UNKNOWN_CAPSULE", "INVALID_ARGUMENT", "FINGERPRINT_MISMATCH", "CORRUPT_CAPSULE",
-    "BUDGET_EXCEEDED", "BUSY", "NOT_ACTIVE", "IO_ERROR", "INTERNAL",
+    "BUDGET_EXCEEDED", "BUSY", "NOT_ACTIVE", "IO_ERROR", "INTERNAL", "PREEMPTED",
 ]
-EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill"]
+EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill", "digest"]
 
 CAPSULE_INFO = {
     "id": "string", "name": "string", "parent": "string", "position": "int64",

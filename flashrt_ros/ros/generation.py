@@ -2,7 +2,9 @@
 
 The engine lock is taken per token, so a service call that arrives mid-way
 waits for at most the step in progress. Cancel and deactivate are checked
-after every token, i.e. at committed boundaries.
+after every token, i.e. at committed boundaries. A Restore or Rollback that
+lands between two tokens replaces the state the goal was extending: the goal
+stops there (PREEMPTED), reporting the tokens it made before.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 from typing import Any
 
 from ..action import Generate
-from ..errors import InvalidArgument, NotActive
+from ..errors import InvalidArgument, NotActive, Preempted
 from ..replay import journal as J
 
 
@@ -29,10 +31,11 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
                               f"(max_seq_len={engine.max_seq_len}, position={engine.position})")
     eos = set(engine.config.eos_token_ids) | {getattr(node.tokenizer, "eos_id", None)}
     start = time.perf_counter()
-    if ids:
-        with engine.lock:
+    with engine.lock:
+        if ids:
             engine.prefill(ids)
             node.note_state_change(J.PREFILL, {"token_ids": list(ids), "prompt": goal.prompt}, {})
+        lineage = engine.lineage
     tokens: list[int] = []
     first = None
     feedback = Generate.Feedback()
@@ -44,6 +47,9 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
             if not node.serving:
                 raise NotActive(f"node left the active state after {len(tokens)} tokens")
             with engine.lock:
+                if engine.lineage != lineage:
+                    raise Preempted(f"a restore or rollback replaced the state after {len(tokens)} tokens; "
+                                    f"the goal stopped there (its tokens are no longer in the live state)")
                 token = engine.generate(1)[0]
                 node.note_state_change(J.DECODE, {}, {"token": token})
             if first is None:

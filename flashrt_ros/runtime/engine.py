@@ -18,7 +18,7 @@ import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..capsule.errors import CorruptCapsule
-from ..errors import FlashRTError, InvalidArgument
+from ..errors import FlashRTError, InvalidArgument, Preempted
 from . import weights as weights_io
 from .arena import GROUPS, StateArena
 from .config import ModelConfig
@@ -100,6 +100,7 @@ class Engine:
         self.model.bind(self.arena)
         self.layout_fingerprint = self.arena.layout_fingerprint()
         self._position = 0
+        self._lineage = 0
         depth = int(opts["rollback_depth"])   # checked in __init__
         budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
         budgets.update(opts["budgets"] or {})
@@ -170,6 +171,13 @@ class Engine:
         return self._position
 
     @property
+    def lineage(self) -> int:
+        """Changes whenever the live state is replaced rather than extended: a restore, a
+        rollback that moves back, a reset. A caller committing tokens across several calls
+        (a generate goal) checks it under ``lock`` to know that it still extends its own state."""
+        return self._lineage
+
+    @property
     def rollback_depth(self) -> int:
         return self._ring.depth
 
@@ -204,6 +212,7 @@ class Engine:
         with self._lock:
             self.arena.buffer.zero_()
             self._position = 0
+            self._lineage += 1
             self._log = BoundaryLog()
             self._ring.clear()
             self._ring.push(self.arena.buffer, 0)
@@ -286,19 +295,27 @@ class Engine:
             raise InvalidArgument(f"sync_every must be an int >= 0, got {sync_every!r}")
         with self._lock:
             self._check_room(n)
-        return self._stream(n, sync_every)
+            lineage = self._lineage
+        return self._stream(n, sync_every, lineage)
 
-    def _stream(self, n: int, sync_every: int) -> Iterator[int]:
-        # Each step copies its token into a device-side list under the lock, so the
-        # result is right even if another caller restores state between two steps,
-        # and reading it back costs one sync per ``sync_every`` tokens, not per token.
+    def _stream(self, n: int, sync_every: int, lineage: int) -> Iterator[int]:
+        # Each step copies its token into a device-side list under the lock, and reading
+        # it back costs one sync per ``sync_every`` tokens, not per token. Another caller
+        # may restore or roll back between two steps: the stream then stops rather than
+        # go on from a state it did not build.
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         read = 0
         for i in range(n):
             with self._work(step=True):
-                self._check_room(1)
-                self._commit_token()
-                out[i] = self.model.tokens[self._position - 1]
+                replaced = self._lineage != lineage
+                if not replaced:
+                    self._check_room(1)
+                    self._commit_token()
+                    out[i] = self.model.tokens[self._position - 1]
+            if replaced:   # yielded outside the lock: the consumer may take its time
+                yield from out[read:i].tolist()
+                raise Preempted(f"the live state was replaced (restore, rollback or reset) after {i} of "
+                                f"{n} tokens; the stream stopped there")
             if sync_every and (i + 1) % sync_every == 0:
                 yield from out[read:i + 1].tolist()
                 read = i + 1
@@ -402,6 +419,7 @@ class Engine:
                 self.arena.buffer.copy_(backup)
                 raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
             self._position = position
+            self._lineage += 1
             self._log = BoundaryLog(record.log)
             self._ring.clear()
             self._ring.borrow(fixed, position, owner)
@@ -416,6 +434,7 @@ class Engine:
             raise InvalidCapsuleRequest("verify needs a full restore (regions=None)")
         self.capsules.write_back(record, self.arena.buffer, groups)
         self._position = record.info.position
+        self._lineage += 1
         self.model.position.fill_(self._position)
         self._log = BoundaryLog(record.log)
         self._ring.clear()
@@ -443,6 +462,7 @@ class Engine:
                                       f"(rollback_depth={self._ring.depth})")
             if steps:
                 self._go_back(steps)
+                self._lineage += 1
             return self._position
 
     def _go_back(self, steps: int) -> None:
@@ -489,6 +509,8 @@ class Engine:
             self._ring.clear()   # the steps back it held are gone; the state is the one before
             self._ring.push(self.arena.buffer, self._position)
             raise
+        if target < before[1]:   # back to where it was: the state is the same one
+            self._lineage += 1
         return self._position
 
     def _replay(self, kind: str, start: int, count: int, tokens: list[int], observations) -> None:
