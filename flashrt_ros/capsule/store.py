@@ -192,7 +192,7 @@ class CapsuleStore:
         if unknown:
             raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
         for tier, value in budgets.items():
-            if not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidCapsuleRequest(f"budget for {tier} must be an int >= 0, got {value!r}")
         self.layout, self.model_fingerprint, self.device = layout, model_fingerprint, device
         self.log_kinds = frozenset(log_kinds)   # boundary kinds the engine can replay
@@ -435,6 +435,8 @@ class CapsuleStore:
         history = history_digest(self.layout.regions, record.info.position, read)
         # Only _demote also replaces info, and it finishes the job first.
         record.info = replace(record.info, digest=digest, history_hash=history)
+        if record.info.id in self._records:   # not for a capsule dropped before its hash was done
+            self._emit("digest", record.info)
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
         covering = record.pieces_in(start, end) if pieces is None else _slice(pieces, start, end)

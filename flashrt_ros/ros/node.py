@@ -433,14 +433,18 @@ class FlashRTNode(LifecycleNode):
 
     # ---- events and telemetry -----------------------------------------------------------------------
     def _on_store_event(self, kind: str, info: CapsuleInfo) -> None:
-        """Spills and evictions happen inside other operations; they are announced on their own."""
-        if kind in ("spill", "evict"):
-            engine = self.engine
-            msg = CapsuleEvent(kind=kind, capsule=info_msg(info), success=True, error_code=0,
-                               position=engine.position if engine is not None else 0,
-                               message=f"capsule {info.id} {'moved to ' + info.tier if kind == 'spill' else 'evicted'}")
-            msg.header.stamp = self.get_clock().now().to_msg()
-            self._events.publish(msg)
+        """What happens inside other operations, or after them, is announced on its own:
+        spills, evictions, and a snapshot's digest once the background hash is done (the
+        answer to the Snapshot or Fork carried an empty one)."""
+        messages = {"spill": f"capsule {info.id} moved to {info.tier}", "evict": f"capsule {info.id} evicted",
+                    "digest": f"capsule {info.id} digest {info.digest[:16]}..."}
+        if kind not in messages:
+            return
+        engine = self.engine
+        msg = CapsuleEvent(kind=kind, capsule=info_msg(info), success=True, error_code=0,
+                           position=engine.position if engine is not None else 0, message=messages[kind])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._events.publish(msg)
 
     def _publish_event(self, kind: str, info: CapsuleInfo | None, response: Any) -> None:
         msg = CapsuleEvent(kind=kind, capsule=info_msg(info), position=response.position,

@@ -373,11 +373,13 @@ class Engine:
         From a capsule it is metadata only: every byte is shared with the source,
         copy-on-write (capsules are immutable, so nothing is ever written). From
         the live state it is a snapshot whose parent is the capsule the state
-        descends from.
+        descends from. Its digest is computed in the background, as a snapshot's is.
         """
         if source is None or source == "":
             return self.snapshot(name=name)
         with self._work():
+            if isinstance(source, CapsuleInfo):  # possibly another engine's: refused as restore refuses it
+                self.capsules.check_compatible(source)
             return self.capsules.fork(self.capsules.resolve(source), name).info
 
     def restore(self, capsule: str | CapsuleInfo, verify: bool = False,
