@@ -40,6 +40,8 @@ def test_capsule_of_a_foreign_model_is_refused(disk_engine):
     other.prefill(PROMPT)
     foreign = other.snapshot()
     assert "model" in _refused(disk_engine, ErrorCode.FINGERPRINT_MISMATCH, lambda: disk_engine.restore(foreign))
+    # A fork of it is refused the same way, not as an unknown id.
+    assert "model" in _refused(disk_engine, ErrorCode.FINGERPRINT_MISMATCH, lambda: disk_engine.fork(foreign))
 
 
 def test_capsule_of_a_foreign_layout_is_refused(disk_engine):

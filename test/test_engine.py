@@ -120,6 +120,8 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(case):
     ({"static_shapes": "false"}, "static_shapes must be True or False"),   # bool("false") is True
     ({"spill": 1}, "spill must be True or False"),
     ({"budgets": 5}, "budgets must be a dict"),
+    ({"budgets": {"device": True}}, "budget for device must be an int"),
+    ({"budgets": {"host": False}}, "budget for host must be an int"),
     ({"capsule_dir": 5}, "capsule_dir must be a path"),
 ])
 def test_bad_engine_arguments_are_refused(kwargs, words):

@@ -143,7 +143,10 @@ def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotReq
         return {}
     if entry.kind == FORK:
         source = req.get("source_id", "")
-        info = engine.fork(ids.get(source, source) or None, name=req.get("name") or None)
+        if source:
+            info = engine.fork(ids.get(source, source), name=req.get("name") or None)
+        else:   # the node forks the live state into its default tier (journals before it: device)
+            info = engine.snapshot(name=req.get("name") or None, tier=req.get("tier") or "device")
         return {"capsule_id": info.id}
     if entry.kind == RESTORE:
         capsule = req["capsule_id"]

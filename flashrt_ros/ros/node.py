@@ -33,7 +33,7 @@ from trajectory_msgs.msg import JointTrajectoryPoint
 
 from ..action import Generate
 from ..capsule import CapsuleInfo
-from ..errors import Busy, ErrorCode, InvalidArgument, NotActive
+from ..errors import Busy, ErrorCode, InvalidArgument, NotActive, shown
 from ..msg import CapsuleEvent, RuntimeStatus
 from ..replay import journal as J
 from ..replay.bag import BagWriter
@@ -316,7 +316,11 @@ class FlashRTNode(LifecycleNode):
                                                     "repeat": True}
             info = engine.snapshot(name=request.name or None, tier=tier, pin=request.pin)
             self._requests.remember(rid, fields, info.id)
-            return self._fill(response, info), {"capsule_id": info.id}
+            if not rid:
+                return self._fill(response, info), {"capsule_id": info.id}
+            # The caller's trace id goes back in the answer and the event, and to the log.
+            self.get_logger().debug(f"snapshot {info.id} for request_id {shown(rid)}")
+            return self._fill(response, info), {"capsule_id": info.id, "message": f"ok (request_id {shown(rid)})"}
 
         return self._serve(J.SNAPSHOT, response, call, {"name": request.name, "tier": tier, "pin": request.pin,
                                                        "request_id": request.request_id,
@@ -331,12 +335,20 @@ class FlashRTNode(LifecycleNode):
         return self._serve(J.RESTORE, response, call, {"capsule_id": request.capsule_id, "verify": request.verify})
 
     def _fork(self, request: Fork.Request, response: Fork.Response) -> Fork.Response:
+        # A fork of the live state is a snapshot (see Engine.fork): it goes to the tier a
+        # Snapshot with no tier goes to. A fork of a capsule shares its bytes, in its tier.
+        tier = "" if request.source_id else self.get_parameter("default_tier").value
+
         def call(engine: Engine):
-            info = engine.fork(request.source_id or None, name=request.name or None)
+            if request.source_id:
+                info = engine.fork(request.source_id, name=request.name or None)
+            else:
+                info = engine.snapshot(name=request.name or None, tier=tier)
             response.source_id = info.parent if request.source_id else ""   # an id, also when named
             return self._fill(response, info), {"capsule_id": info.id}
 
-        return self._serve(J.FORK, response, call, {"source_id": request.source_id, "name": request.name})
+        return self._serve(J.FORK, response, call, {"source_id": request.source_id, "name": request.name,
+                                                   "tier": tier})
 
     def _rollback(self, request: Rollback.Request, response: Rollback.Response) -> Rollback.Response:
         def call(engine: Engine):
