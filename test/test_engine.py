@@ -40,9 +40,9 @@ def test_generate_commits_one_boundary_per_token_and_records_it(tiny_engine):
     tiny_engine.prefill(PROMPT)
     tokens = tiny_engine.generate(10)
     assert tiny_engine.position == len(PROMPT) + 10
-    history = tiny_engine.arena["meta.tokens"][:tiny_engine.position].tolist()
+    history = tiny_engine.arena["meta.tokens"][:tiny_engine.position, 0].tolist()
     assert history == PROMPT + tokens
-    assert list(tiny_engine.stream(5, sync_every=2)) == tiny_engine.arena["meta.tokens"][-5 + tiny_engine.position:tiny_engine.position].tolist()
+    assert list(tiny_engine.stream(5, sync_every=2)) == tiny_engine.arena["meta.tokens"][-5 + tiny_engine.position:tiny_engine.position, 0].tolist()
 
 
 def test_greedy_generation_is_deterministic_across_engines_with_one_seed():
@@ -166,7 +166,7 @@ def test_policy_step_turns_one_observation_into_one_action_at_a_boundary():
     assert all(act.shape == (4,) and torch.isfinite(act).all() for act in actions)
     assert not torch.equal(actions[0], actions[1])  # the state moved on
     assert a.position == 3
-    assert a.arena["meta.tokens"][:3].tolist() == [-1, -1, -1]
+    assert a.arena["meta.tokens"][:3, 0].tolist() == [-1, -1, -1]
     assert torch.equal(a.arena["meta.observations"][2], obs * 3)
     replay = [b.step(obs * (i + 1)) for i in range(3)]
     assert all(torch.equal(x, y) for x, y in zip(actions, replay))

@@ -189,7 +189,7 @@ def test_a_goal_aborted_by_deactivation_reports_the_tokens_it_committed(live):
     assert not answer.success and answer.error_code == ErrorCode.NOT_ACTIVE
     committed = h.node.engine.position - 3
     assert committed >= 5 and len(answer.tokens) == committed
-    assert list(answer.tokens) == h.node.engine.arena["meta.tokens"][3:3 + committed].tolist()
+    assert list(answer.tokens) == h.node.engine.arena["meta.tokens"][3:3 + committed, 0].tolist()
 
 
 def test_generate_streams_feedback_reports_ttft_and_matches_the_engine(live):
@@ -209,6 +209,28 @@ def test_generate_streams_feedback_reports_ttft_and_matches_the_engine(live):
     stop = expected.index(257) + 1 if 257 in expected else 12
     assert list(res.tokens) == expected[:stop]
     assert seen and seen[-1] == list(res.tokens), "feedback did not stream the tokens"
+
+
+def test_a_sampled_goal_draws_what_the_engine_draws_and_its_journal_replays(live):
+    from flashrt_ros.replay.journal import Journal, replay
+    from flashrt_ros.runtime import Engine, ModelConfig
+
+    h = live
+    h.node.journal = journal = Journal()
+    _, result = h.generate(token_ids=[5, 6, 7], max_new_tokens=12, temperature=1.0, seed=21)
+    res = wait_future(result).result
+    assert res.success, res.message
+    reference = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512)
+    reference.prefill([5, 6, 7])
+    drawn = reference.generate(12, temperature=1.0, seed=21)
+    stop = drawn.index(257) + 1 if 257 in drawn else 12
+    assert list(res.tokens) == drawn[:stop] and h.node.engine.sampling_seed == 21
+    fresh = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512)
+    assert replay(list(journal.entries), fresh).tokens == len(res.tokens)
+    assert fresh.state_digest() == h.node.engine.state_digest()
+    for bad in (-0.5, float("nan"), float("inf")):
+        _, result = h.generate(token_ids=[1], max_new_tokens=2, temperature=bad)
+        _refused(wait_future(result).result, ErrorCode.INVALID_ARGUMENT)
 
 
 def test_generate_refusals_and_cancel(live):

@@ -366,16 +366,18 @@ class Generate(_Call):
     A halt or a timeout cancels the goal on the node (it stops at the next
     committed boundary); run again, the behaviour sends its new goal once the
     canceled one has ended (the node runs one goal at a time). A goal canceled
-    by another client is a FAILURE (CANCELED), not a short result.
+    by another client is a FAILURE (CANCELED), not a short result. ``temperature`` and
+    ``seed`` are the goal's (0 and -1: greedy, the state's own seed).
     """
 
     def __init__(self, name: str, node: Any, result_key: str, prompt: str = "", max_new_tokens: int = 16,
                  server: str = "/flashrt", timeout_s: float = 30.0, error_key: str = "flashrt_error",
-                 wait_for_server_s: float = 5.0) -> None:
+                 wait_for_server_s: float = 5.0, temperature: float = 0.0, seed: int = -1) -> None:
         super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
         self.action = GenerateAction
         self.client = _ActionClient(node, GenerateAction, f"{self.server}/generate")
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
+        self.temperature, self.seed = float(temperature), int(seed)
         self._key(result_key, Access.WRITE)
         self._goal = None
         self._ending = None     # done once the goal this behaviour canceled or abandoned has ended
@@ -399,7 +401,8 @@ class Generate(_Call):
         if not self.client.server_is_ready():
             return
         self._waiting = False
-        goal = self.action.Goal(prompt=self.prompt, max_new_tokens=self.max_new_tokens)
+        goal = self.action.Goal(prompt=self.prompt, max_new_tokens=self.max_new_tokens,
+                                temperature=self.temperature, seed=self.seed)
         self._send(self.client.send_goal_async(goal))
         self._sending = True
 

@@ -122,8 +122,8 @@ def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotReq
     if entry.kind == PREFILL:
         engine.prefill(req["token_ids"])
         return {}
-    if entry.kind == DECODE:
-        return {"token": engine.generate(1)[0]}
+    if entry.kind == DECODE:   # greedy unless the entry says how it was drawn
+        return {"token": engine.generate(1, temperature=req.get("temperature", 0.0), seed=req.get("seed"))[0]}
     if entry.kind == STEP:
         return {"action": action_bytes(engine.step(req["observation"]))}
     if entry.kind == SNAPSHOT:

@@ -8,6 +8,7 @@ stops there (PREEMPTED), reporting the tokens it made before.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -23,6 +24,10 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
     n = goal.max_new_tokens
     if n < 0:
         raise InvalidArgument(f"max_new_tokens must be >= 0, got {n}")
+    temperature = float(goal.temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument(f"temperature must be a finite number >= 0 (0: greedy), got {goal.temperature}")
+    seed = goal.seed if goal.seed >= 0 else None
     if not ids and engine.position == 0:
         raise InvalidArgument("empty prompt on an empty state: give a prompt or token_ids")
     room = engine.max_seq_len - engine.position
@@ -50,8 +55,11 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
                 if engine.lineage != lineage:
                     raise Preempted(f"a restore or rollback replaced the state after {len(tokens)} tokens; "
                                     f"the goal stopped there (its tokens are no longer in the live state)")
-                token = engine.generate(1)[0]
-                node.note_state_change(J.DECODE, {}, {"token": token})
+                sampling = {"temperature": temperature} if temperature > 0 else {}
+                if seed is not None and not tokens:
+                    sampling["seed"] = seed
+                token = engine.generate(1, **sampling)[0]
+                node.note_state_change(J.DECODE, sampling, {"token": token})
             if first is None:
                 first = time.perf_counter()
             tokens.append(token)

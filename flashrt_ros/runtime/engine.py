@@ -8,6 +8,7 @@ consistent, so a snapshot can slot in between any two of them.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import os
 from contextlib import contextmanager
@@ -122,6 +123,9 @@ class Engine:
             self._token_step = Step(
                 lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes)),
                 capture=self.cuda_graphs)
+            self._sample_step = Step(
+                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes), sampled=True),
+                capture=self.cuda_graphs)
             self._policy_step = None
             if cfg.policy:
                 self._obs_in = torch.zeros(cfg.obs_dim, device=self.device)
@@ -176,6 +180,12 @@ class Engine:
         rollback that moves back, a reset. A caller committing tokens across several calls
         (a generate goal) checks it under ``lock`` to know that it still extends its own state."""
         return self._lineage
+
+    @property
+    def sampling_seed(self) -> int:
+        """The RNG state of sampled decoding: its seed (0 after a reset; the position is the counter)."""
+        with self._lock:
+            return int(self.model.rng_seed[0])
 
     @property
     def rollback_depth(self) -> int:
@@ -254,8 +264,17 @@ class Engine:
             self._position += chunk.numel()
         self._boundary(PREFILL, start, ids.numel())
 
-    def _commit_token(self) -> None:
-        self._token_step()
+    def _commit_token(self, sampled: bool = False) -> None:
+        (self._sample_step if sampled else self._token_step)()
+        self._position += 1
+        self._boundary(DECODE, self._position - 1, 1)
+
+    def _commit_logged_token(self, token: int) -> None:
+        """A replay's decode step: the token the run committed, not one chosen again (it may
+        have been drawn at a temperature the log does not keep). The same computation as
+        the step that chose it, over the same span, so the same bytes."""
+        span = self.model.decode_span(self._position, self.fixed_shapes)
+        self.model.commit_token(torch.tensor([token], device=self.device), span)
         self._position += 1
         self._boundary(DECODE, self._position - 1, 1)
 
@@ -275,16 +294,21 @@ class Engine:
         with self._work():
             return _handed_out(self.model.logits()[0].float())
 
-    def generate(self, n: int) -> list[int]:
-        """Greedy: append ``n`` tokens, one committed boundary each; return them."""
-        return list(self.stream(n, sync_every=0))
+    def generate(self, n: int, *, temperature: float = 0.0, seed: int | None = None) -> list[int]:
+        """Append ``n`` tokens, one committed boundary each; return them. Greedy by default;
+        see ``stream`` for ``temperature`` and ``seed``."""
+        return list(self.stream(n, sync_every=0, temperature=temperature, seed=seed))
 
-    def stream(self, n: int, sync_every: int = 1) -> Iterator[int]:
-        """Greedy, yielding tokens as they are committed.
+    def stream(self, n: int, sync_every: int = 1, *, temperature: float = 0.0,
+               seed: int | None = None) -> Iterator[int]:
+        """Yield tokens as they are committed: greedy, or drawn from softmax(logits / temperature).
 
         The lock is taken per token, so other callers (a snapshot) wait at most
         one decode step. ``sync_every``: read tokens back every k steps (one
-        device sync each); 0 reads them all at the end.
+        device sync each); 0 reads them all at the end. The draws come from the
+        RNG state in the arena (``sampling_seed``, with the position as counter),
+        so a restored capsule draws the same tokens again; ``seed`` sets that
+        state first (it then belongs to the state, as the tokens do).
         """
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
@@ -293,12 +317,18 @@ class Engine:
         n = int(n)
         if not _is_int(sync_every) or sync_every < 0:
             raise InvalidArgument(f"sync_every must be an int >= 0, got {sync_every!r}")
+        if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+                or not math.isfinite(temperature) or temperature < 0):
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+            raise InvalidArgument(f"seed must be an int in [0, 2**63) or None, got {seed!r}")
         with self._lock:
             self._check_room(n)
             lineage = self._lineage
-        return self._stream(n, sync_every, lineage)
+        return self._stream(n, sync_every, lineage, float(temperature), seed)
 
-    def _stream(self, n: int, sync_every: int, lineage: int) -> Iterator[int]:
+    def _stream(self, n: int, sync_every: int, lineage: int, temperature: float,
+                seed: int | None) -> Iterator[int]:
         # Each step copies its token into a device-side list under the lock, and reading
         # it back costs one sync per ``sync_every`` tokens, not per token. Another caller
         # may restore or roll back between two steps: the stream then stops rather than
@@ -310,7 +340,11 @@ class Engine:
                 replaced = self._lineage != lineage
                 if not replaced:
                     self._check_room(1)
-                    self._commit_token()
+                    if seed is not None and i == 0:
+                        self.model.rng_seed.fill_(int(seed))
+                    if temperature > 0:   # set per step: another caller's stream may have set its own
+                        self.model.temperature.fill_(temperature)
+                    self._commit_token(sampled=temperature > 0)
                     out[i] = self.model.tokens[self._position - 1]
             if replaced:   # yielded outside the lock: the consumer may take its time
                 yield from out[read:i].tolist()
@@ -481,6 +515,7 @@ class Engine:
         target = int(target)
         logged = BoundaryLog(self._log.snapshot())
         tokens = self.model.tokens[:target].tolist()
+        seeds = self.model.seeds[:target].tolist()
         observations = None if self.model.observations is None else self.model.observations[:target].clone()
         # What the replay may change, kept so that a failed one changes nothing: the fixed
         # block, and (taken below, once the start is known) the rows it rewrites.
@@ -500,7 +535,7 @@ class Engine:
                 if r.per_token]
         try:
             for kind, first, count in logged.between(start, target):
-                self._replay(kind, first, count, tokens, observations)
+                self._replay(kind, first, count, tokens, seeds, observations)
             if self.model.tokens[:target].tolist() != tokens:
                 raise FlashRTError(f"replay to position {target} did not reproduce the logged tokens")
         except BaseException:
@@ -515,14 +550,19 @@ class Engine:
             self._lineage += 1
         return self._position
 
-    def _replay(self, kind: str, start: int, count: int, tokens: list[int], observations) -> None:
+    def _replay(self, kind: str, start: int, count: int, tokens: list[int], seeds: list[int],
+                observations) -> None:
+        """Commit the logged rows [start, start + count) again, each with the sampling seed it
+        was committed with (a prefill's rows share one): the RNG state ends as the run had it."""
         if kind == PREFILL:
+            self.model.rng_seed.fill_(seeds[start])
             self._commit_prefill(torch.tensor(tokens[start:start + count], device=self.device))
-        elif kind == DECODE:
-            for _ in range(count):
-                self._commit_token()
-        else:
-            for row in range(start, start + count):
+            return
+        for row in range(start, start + count):
+            self.model.rng_seed.fill_(seeds[row])
+            if kind == DECODE:
+                self._commit_logged_token(tokens[row])
+            else:
                 self._commit_step(observations[row])
 
     # ---- checks --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import gated_delta
+from .. import gated_delta, sampling
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
 from ..config import FULL, LINEAR, ModelConfig
@@ -26,8 +26,12 @@ def state_specs(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> list[
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
     specs = [
         RegionSpec("meta.position", "meta", torch.int64, (1,)),
+        # The sampling RNG's state: its seed; the position is its counter (see sampling.py).
+        RegionSpec("meta.rng", "meta", torch.int64, (1,)),
         RegionSpec("meta.last_hidden", "meta", dtype, (cfg.hidden_size,)),
-        RegionSpec("meta.tokens", "meta", torch.int64, (max_seq_len,), per_token=True),
+        # Per row: the token id (-1 for an observation step) and the sampling seed in effect when
+        # the row was committed, so that a replay of the rows sets the RNG state as the run had it.
+        RegionSpec("meta.tokens", "meta", torch.int64, (max_seq_len, 2), per_token=True),
     ]
     if n_lin:
         specs += [
@@ -147,6 +151,10 @@ class Qwen35:
         cos, sin = rope_tables(max_seq_len, cfg.rotary_dim, cfg.rope_theta, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.rows = torch.arange(max_seq_len, device=device)
+        self.vocab_index = torch.arange(cfg.vocab_size, device=device)
+        # Not state: the sampled step's input, a fixed address so that a captured graph reads
+        # whatever the engine writes here before replaying it.
+        self.temperature = torch.ones(1, device=device)
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         self.qk_scale = torch.tensor([dk ** -1.0] * hk + [dk ** -0.5] * hk, device=device).view(2 * hk, 1)
         self.arena: StateArena | None = None
@@ -154,8 +162,9 @@ class Qwen35:
     def bind(self, arena: StateArena) -> None:
         self.arena = arena
         self.position = arena["meta.position"]
+        self.rng_seed = arena["meta.rng"]
         self.last_hidden = arena["meta.last_hidden"]
-        self.tokens = arena["meta.tokens"]
+        self.tokens, self.seeds = arena["meta.tokens"].unbind(1)
         self.recurrent = arena.views.get("recurrent")
         self.conv = arena.views.get("conv")
         self.kv = arena.views.get("kv")
@@ -250,15 +259,25 @@ class Qwen35:
     def prefill(self, ids: torch.Tensor, start: int) -> None:
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         self.tokens[start:start + ids.shape[0]].copy_(ids)
+        self.seeds[start:start + ids.shape[0]].copy_(self.rng_seed.expand(ids.shape[0]))
         if self.observations is not None:   # a token row holds no observation (see policy_step)
             self.observations[start:start + ids.shape[0]].zero_()
         self.advance(F.embedding(ids, self.embed), positions, Span.prefill(start, ids.shape[0], self.device),
                      decode=False)
 
-    def token_step(self, span: Span) -> None:
-        """Greedy decode of one token, reading and writing only arena state (graph-capturable)."""
-        token = self.logits().argmax(-1)
+    def token_step(self, span: Span, sampled: bool = False) -> None:
+        """Decode of one token, greedy or drawn at ``self.temperature`` with the arena's RNG
+        state, reading and writing only arena state (graph-capturable)."""
+        logits = self.logits()
+        token = (sampling.sample(logits, self.temperature, self.rng_seed, self.position, self.vocab_index)
+                 if sampled else logits.argmax(-1))
+        self.commit_token(token, span)
+
+    def commit_token(self, token: torch.Tensor, span: Span) -> None:
+        """Append the token [1] at the position counter: what a decode step does once it has chosen
+        one, and how a replay re-commits a logged one (it need not draw it again)."""
         self.tokens.index_copy_(0, self.position, token)
+        self.seeds.index_copy_(0, self.position, self.rng_seed)
         if self.observations is not None:
             self.observations.index_fill_(0, self.position, 0.0)
         self.advance(F.embedding(token, self.embed), self.position, span, decode=True)
@@ -269,6 +288,7 @@ class Qwen35:
         Every committed row is written whole, token and observation alike: a row past a
         rollback or restore point may still hold what an abandoned branch put there."""
         self.tokens.index_fill_(0, self.position, -1)
+        self.seeds.index_copy_(0, self.position, self.rng_seed)
         self.observations.index_copy_(0, self.position, observation[None])
         embed = torch.addmm(self.obs_bias, observation[None].to(self.dtype), self.obs_proj)
         self.advance(embed, self.position, span, decode=True)
