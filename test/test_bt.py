@@ -22,10 +22,10 @@ def live(ros_context):
     h.close()
 
 
-def _tick_until_done(root, timeout: float = 30.0) -> Status:
+def _tick_until_done(root, timeout: float = 30.0, shutdown: bool = True) -> Status:
     from flashrt_ros.bt.examples import run_tree
 
-    return run_tree(root, period_s=0.005, timeout_s=timeout)
+    return run_tree(root, period_s=0.005, timeout_s=timeout, shutdown=shutdown)
 
 
 def _blackboard(key: str):
@@ -119,7 +119,7 @@ def test_timeout_fails_and_the_late_answer_is_ignored(live):
     server = _SlowSnapshotServer(live.client, delay=0.5)
     behaviour = Snapshot("slow snapshot", live.client, "slow_capsule", server="/slow", timeout_s=0.1)
     assert behaviour.client.wait_for_service(timeout_sec=10)
-    assert _tick_until_done(behaviour) == Status.FAILURE
+    assert _tick_until_done(behaviour, shutdown=False) == Status.FAILURE   # a retry is to come
     assert _blackboard("flashrt_error")["code"] == TIMEOUT
     deadline = time.monotonic() + 5
     while behaviour.late_answers == 0 and time.monotonic() < deadline:
@@ -208,6 +208,100 @@ def test_a_snapshot_that_timed_out_then_was_halted_leaves_no_orphan_capsule(live
     while (behaviour.late_answers == 0 or live.node.engine.capsules.list()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert behaviour.late_answers == 1 and live.node.engine.capsules.list() == []
+
+
+@pytest.mark.parametrize("make", ["snapshot", "fork"])
+def test_a_timed_out_call_whose_tree_ends_leaves_no_capsule_once_the_tree_shuts_down(live, make):
+    """No halt comes when a tree just ends: its shutdown() drops what late answers made."""
+    from flashrt_ros.bt.behaviours import Fork, Snapshot
+    from flashrt_ros.bt.examples import run_tree
+
+    from ros_harness import wait_future
+
+    _, result = live.generate(prompt="context", max_new_tokens=2)
+    assert wait_future(result).result.success
+    behaviour = (Snapshot("snap", live.client, "made", pin=True, timeout_s=0.2) if make == "snapshot"
+                 else Fork("fork", live.client, "made", timeout_s=0.2))
+    with live.node.engine.lock:                     # the node is busy past the timeout
+        assert run_tree(behaviour, period_s=0.01, timeout_s=10) == Status.FAILURE
+    deadline = time.monotonic() + 10
+    while (behaviour.late_answers == 0 or live.node.engine.capsules.list()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert behaviour.late_answers == 1 and live.node.engine.capsules.list() == []
+
+
+def test_unknown_codes_and_unsendable_values_fail_the_behaviour_not_the_tick(live):
+    from flashrt_ros.bt.behaviours import Restore, Rollback
+    from flashrt_ros.srv import Restore as RestoreSrv
+
+    def odd(request, response):
+        response.success, response.error_code, response.message = False, 42, "a code from a newer node"
+        return response
+    live.client.create_service(RestoreSrv, "/odd/restore", odd)
+    py_trees.blackboard.Blackboard.set("target", "anything")
+    behaviour = Restore("restore", live.client, "target", server="/odd")
+    assert behaviour.client.wait_for_service(timeout_sec=10)
+    assert _tick_until_done(behaviour) == Status.FAILURE
+    assert _blackboard("flashrt_error")["code"] == 42 and _blackboard("flashrt_error")["name"] == "code 42"
+    for key, value, make in [("position", 2**64, lambda: Rollback("rb", live.client, to_position_key="position")),
+                             ("target", "caps\ud800", lambda: Restore("rs", live.client, "target"))]:
+        py_trees.blackboard.Blackboard.set(key, value)
+        behaviour = make()
+        assert behaviour.client.wait_for_service(timeout_sec=10)
+        assert _tick_until_done(behaviour) == Status.FAILURE
+        assert _blackboard("flashrt_error")["code"] == ErrorCode.INVALID_ARGUMENT
+
+
+def test_generate_whose_server_vanished_mid_goal_sends_anew_once_one_is_back(ros_context):
+    """The canceled goal's end never comes from a server that is gone: it is waited for
+    once (TIMEOUT), then a later run sends its goal to the server that is there now."""
+    import threading
+
+    from rclpy.executors import SingleThreadedExecutor
+
+    from flashrt_ros.bt.behaviours import TIMEOUT, Generate
+
+    from ros_harness import _client_node
+
+    py_trees.blackboard.Blackboard.clear()
+    client = _client_node(ros_context)
+    behaviour = Generate("gen", client, "out", prompt="x", max_new_tokens=400, server="/vanishing", timeout_s=1.0)
+    executor = SingleThreadedExecutor(context=ros_context)
+    executor.add_node(client)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    tree = py_trees.trees.BehaviourTree(behaviour)
+
+    def run() -> Status:
+        tree.tick()
+        deadline = time.monotonic() + 20
+        while behaviour.status == Status.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.01)
+            tree.tick()
+        return behaviour.status
+
+    try:
+        first = Harness(ros_context, name="vanishing")
+        tree.setup(timeout=10)
+        tree.tick()
+        deadline = time.monotonic() + 10
+        while first.node.engine.position < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+            tree.tick()
+        first.close()                                   # the server goes, and its goal with it
+        assert run() == Status.FAILURE and _blackboard("flashrt_error")["code"] == TIMEOUT
+        second = Harness(ros_context, name="vanishing")
+        try:
+            assert behaviour.client.wait_for_server(timeout_sec=10)
+            behaviour.max_new_tokens = 4
+            outcomes = [run() for _ in range(2)]        # the first may still wait out the old goal
+            assert Status.SUCCESS in outcomes, (outcomes, _blackboard("flashrt_error"))
+        finally:
+            second.close()
+    finally:
+        executor.shutdown(timeout_sec=5)
+        spinner.join(5)
+        client.destroy_node()
 
 
 def _generating(live, result_key: str, max_new_tokens: int, position: int):

@@ -126,7 +126,8 @@ class _Call(py_trees.behaviour.Behaviour):
                 self._maybe_late(future)
 
     def _fail(self, code: int, message: str) -> Status:
-        name = {TIMEOUT: "TIMEOUT", NO_SERVER: "NO_SERVER", CANCELED: "CANCELED"}.get(code) or ErrorCode(code).name
+        name = ({TIMEOUT: "TIMEOUT", NO_SERVER: "NO_SERVER", CANCELED: "CANCELED"}.get(code)
+                or (ErrorCode(code).name if code in ErrorCode._value2member_map_ else f"code {code}"))
         self.bb.set(self.error_key, {"behaviour": self.name, "code": code, "name": name, "message": message})
         self.feedback_message = f"{name}: {message}"
         self.logger.warning(f"{self.name} failed: {name}: {message}")
@@ -189,12 +190,14 @@ class _ServiceCall(_Call):
             return
         try:
             request = self.request()
-        except (KeyError, TypeError) as exc:
-            # A blackboard key nobody set, or set to the wrong type: a failure of this
-            # behaviour, not an exception out of tick() (or an abort in rclpy, see _read).
+            future = self.client.call_async(request)
+        except Exception as exc:   # noqa: BLE001 (what a bad field raises depends on rclpy)
+            # A blackboard key nobody set, set to the wrong type, or to a value its field cannot
+            # hold (an int past int64, a string that is not UTF-8): a failure of this behaviour,
+            # not an exception out of tick() (or an abort in rclpy, see _read).
             self._bad_request = f"cannot build the {self.service} request: {type(exc).__name__}: {exc}"
             return
-        self._send(self.client.call_async(request))
+        self._send(future)
 
     def update(self) -> Status:
         if self._bad_request:
@@ -217,8 +220,30 @@ class _ServiceCall(_Call):
         """Any answer, success or not, ends the attempt."""
 
 
-class Snapshot(_ServiceCall):
-    """Snapshot the live state; the capsule id goes to ``capsule_key`` (its position to ``position_key``)."""
+class _MakesCapsules(_ServiceCall):
+    """A call whose answer is a new capsule: one made for an attempt nobody will claim any
+    more is dropped on the node, not left there (pinned, it would never be evicted)."""
+
+    def __init__(self, name: str, node: Any, **kwargs: Any) -> None:
+        super().__init__(name, node, **kwargs)
+        self._drop = node.create_client(DropSrv, f"{self.server}/drop_capsule")
+
+    def _drop_orphan(self, capsule_id: str) -> None:
+        self.logger.debug(f"{self.name}: dropping capsule {capsule_id}, made for an abandoned attempt")
+        self._drop.call_async(DropSrv.Request(capsule_id=capsule_id))
+
+    @staticmethod
+    def _made(future) -> str:
+        response = None if future.cancelled() or future.exception() is not None else future.result()
+        return response.capsule_id if response is not None and response.success else ""
+
+
+class Snapshot(_MakesCapsules):
+    """Snapshot the live state; the capsule id goes to ``capsule_key`` (its position to ``position_key``).
+
+    An attempt that timed out keeps its ``request_id``, so that the next run asks for the
+    same capsule; a halt, or the tree's ``shutdown()``, gives that up and drops what the
+    abandoned attempts made."""
 
     srv_type, service = SnapshotSrv, "snapshot"
 
@@ -234,7 +259,6 @@ class Snapshot(_ServiceCall):
         self._halted: set = set()   # futures abandoned by a halt: their capsules are orphans
         self._unclaimed: set = set()   # capsules late answers made for request_id: a retry claims them
         self._orphans = threading.Lock()   # halts (tree thread) against late answers (executor thread)
-        self._drop = node.create_client(DropSrv, f"{self.server}/drop_capsule")
 
     def request(self) -> Any:
         if not self.request_id:
@@ -249,27 +273,34 @@ class Snapshot(_ServiceCall):
 
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID:
-            with self._orphans:
-                self.request_id = ""
-                if self._future is not None:
-                    self._halted.add(self._future)
-                # Tries that timed out earlier were kept for a retry that will now never come.
-                self._halted.update(self._abandoned)
-                orphans, self._unclaimed = self._unclaimed, set()
-            for capsule_id in orphans:
-                self._drop.call_async(DropSrv.Request(capsule_id=capsule_id))
+            self._give_up()
         super().terminate(new_status)
 
+    def shutdown(self) -> None:
+        """The tree is done: no retry will claim what timed-out attempts made."""
+        self._give_up()
+        self._abandon()
+
+    def _give_up(self) -> None:
+        with self._orphans:
+            self.request_id = ""
+            if self._future is not None:
+                self._halted.add(self._future)
+            # Tries that timed out earlier were kept for a retry that will now never come.
+            self._halted.update(self._abandoned)
+            orphans, self._unclaimed = self._unclaimed, set()
+        for capsule_id in orphans:
+            self._drop_orphan(capsule_id)
+
     def _late(self, future) -> None:
-        response = None if future.cancelled() or future.exception() is not None else future.result()
-        made = response.capsule_id if response is not None and response.success else ""
+        made = self._made(future)
         with self._orphans:
             halted = future in self._halted
             self._halted.discard(future)
             if not halted and made:   # a timed-out try: the retry asks for this capsule by request_id
                 self._unclaimed.add(made)
         if halted and made:
-            self._drop.call_async(DropSrv.Request(capsule_id=made))
+            self._drop_orphan(made)
 
     def on_success(self, response: Any) -> None:
         self.bb.set(self.capsule_key, response.capsule_id)
@@ -291,8 +322,11 @@ class Restore(_ServiceCall):
         return self.srv_type.Request(capsule_id=self._read(self.capsule_key, str), verify=self.verify)
 
 
-class Fork(_ServiceCall):
-    """Fork ``source_key``'s capsule (or the live state when None) into ``capsule_key``."""
+class Fork(_MakesCapsules):
+    """Fork ``source_key``'s capsule (or the live state when None) into ``capsule_key``.
+
+    A fork that answers after its attempt was abandoned (a timeout, a halt, the tree's
+    ``shutdown()``) is dropped: a run again makes a new one."""
 
     srv_type, service = ForkSrv, "fork"
 
@@ -307,6 +341,14 @@ class Fork(_ServiceCall):
     def request(self) -> Any:
         source = self._read(self.source_key, str) if self.source_key else ""
         return self.srv_type.Request(source_id=source, name=self.capsule_name)
+
+    def shutdown(self) -> None:
+        self._abandon()
+
+    def _late(self, future) -> None:
+        made = self._made(future)
+        if made:
+            self._drop_orphan(made)
 
     def on_success(self, response: Any) -> None:
         self.bb.set(self.capsule_key, response.capsule_id)
@@ -413,6 +455,9 @@ class Generate(_Call):
             if self._ending is None:
                 return self._fail(NO_SERVER, "generate action server is not available")
             if time.monotonic() > self._deadline:
+                # Its server may be gone with it (then no end ever comes): stop waiting for
+                # it, so that the next run sends its goal (the node answers BUSY if it still runs).
+                self._ending, self._waiting = None, False
                 return self._fail(TIMEOUT, f"the goal canceled earlier did not end within {self.timeout_s:g} s")
             return Status.RUNNING
         answer = self._poll()

@@ -102,19 +102,25 @@ TREES = {"attempt-with-rollback": attempt_with_rollback, "explore-and-commit": e
 
 
 def run_tree(root: py_trees.behaviour.Behaviour, period_s: float = 0.01, timeout_s: float = 120.0,
-             setup_timeout_s: float = 30.0) -> Status:
-    """Tick until the root finishes (or ``timeout_s``); returns its status."""
+             setup_timeout_s: float = 30.0, shutdown: bool = True) -> Status:
+    """Tick until the root finishes (or ``timeout_s``); returns its status. ``shutdown``: the
+    tree is done with then (no retry will come), and behaviours let go of what they kept
+    for one."""
     tree = py_trees.trees.BehaviourTree(root)
     # One discovery window shared by every behaviour (see _Call.setup), inside py_trees' own timeout.
     tree.setup(timeout=setup_timeout_s, deadline=time.monotonic() + min(5.0, setup_timeout_s / 2))
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        tree.tick()
-        if root.status in (Status.SUCCESS, Status.FAILURE):
-            return root.status
-        time.sleep(period_s)
-    root.stop(Status.INVALID)
-    return Status.INVALID
+    try:
+        while time.monotonic() < deadline:
+            tree.tick()
+            if root.status in (Status.SUCCESS, Status.FAILURE):
+                return root.status
+            time.sleep(period_s)
+        root.stop(Status.INVALID)
+        return Status.INVALID
+    finally:
+        if shutdown:   # capsules made for attempts that timed out, and never claimed, are dropped
+            tree.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
