@@ -201,3 +201,42 @@ def test_a_session_that_restores_a_capsule_found_on_disk_at_start_replays(ros_co
     shutil.move(capsules, moved)
     assert replay_main([str(second)]) == 2
     assert replay_main([str(second), "--capsule-dir", str(moved)]) == 0
+
+
+def test_damaged_bags_and_impossible_sessions_exit_2_with_a_reason(tmp_path, capsys):
+    truncated = tmp_path / "truncated"
+    shutil.copytree(COMMITTED, truncated)
+    mcap = next(truncated.glob("*.mcap"))
+    mcap.write_bytes(mcap.read_bytes()[: mcap.stat().st_size // 2])
+    garbled = tmp_path / "garbled"
+    shutil.copytree(COMMITTED, garbled)
+    (garbled / "metadata.yaml").write_text("{[: not yaml")
+    journal = read_bag(COMMITTED)
+    journal.session["torch_threads"] = -1
+    write_bag(tmp_path / "threads", journal)
+    for bag in (truncated, garbled, tmp_path / "threads"):
+        assert replay_main([str(bag)]) == 2
+        assert "cannot replay" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, key", [("decode", "token"), ("snapshot", "state_digest"), ("step", "position")])
+def test_an_entry_without_the_outputs_it_must_have_recorded_is_refused_not_called_identical(tmp_path, kind, key,
+                                                                                             capsys):
+    journal = read_bag(COMMITTED)
+    entry = next(e for e in journal.entries if e.kind == kind)
+    del entry.outcome[key]
+    write_bag(tmp_path / "gutted", journal)
+    assert replay_main([str(tmp_path / "gutted")]) == 2
+    err = capsys.readouterr().err
+    assert f"seq={entry.seq} ({kind}) records no {key}" in err, err
+
+
+def test_a_bag_whose_wall_clock_stepped_back_replays_in_the_order_of_its_entries(tmp_path, monkeypatch):
+    import flashrt_ros.replay.bag as bag_module
+
+    stamps = iter(range(10**12, 0, -10**6))   # every message stamped before the one written ahead of it
+    monkeypatch.setattr(bag_module.time, "time_ns", lambda: next(stamps))
+    write_bag(tmp_path / "backwards", read_bag(COMMITTED))
+    monkeypatch.undo()
+    assert [e.seq for e in read_bag(tmp_path / "backwards").entries] == list(range(len(read_bag(COMMITTED).entries)))
+    assert replay_main([str(tmp_path / "backwards")]) == 0

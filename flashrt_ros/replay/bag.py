@@ -74,6 +74,7 @@ def read_bag(path: str | Path) -> Journal:
         connections = [c for c in reader.connections if c.topic in (SESSION_TOPIC, ENTRY_TOPIC)]
         if not any(c.topic == SESSION_TOPIC for c in connections):
             raise InvalidArgument(f"{path}: no {SESSION_TOPIC} message: not a flashrt journal bag")
+        entries = []
         for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
             try:
                 payload = json.loads(_STORE.deserialize_cdr(raw, connection.msgtype).data)
@@ -82,8 +83,18 @@ def read_bag(path: str | Path) -> Journal:
             if connection.topic == SESSION_TOPIC:
                 journal.session = payload
                 continue
-            if payload.get("kind") not in KINDS or payload.get("seq") != len(journal.entries):
-                raise InvalidArgument(f"{path}: message {index} on {ENTRY_TOPIC} has kind {payload.get('kind')!r}, "
-                                      f"seq {payload.get('seq')!r} (expected seq {len(journal.entries)})")
-            journal.entries.append(Entry(payload["seq"], payload["kind"], payload["request"], payload["outcome"]))
+            if not isinstance(payload, dict) or payload.get("kind") not in KINDS or not isinstance(
+                    payload.get("seq"), int) or isinstance(payload.get("seq"), bool):
+                raise InvalidArgument(f"{path}: message {index} on {ENTRY_TOPIC} is not a journal entry "
+                                      f"(kind {payload.get('kind')!r}, seq {payload.get('seq')!r})"
+                                      if isinstance(payload, dict) else
+                                      f"{path}: message {index} on {ENTRY_TOPIC} is not a journal entry")
+            entries.append(payload)
+    # In the order of their seq, not of their stamps: those come from the wall clock,
+    # which may step back during a session.
+    entries.sort(key=lambda p: p["seq"])
+    for expected, payload in enumerate(entries):
+        if payload["seq"] != expected:
+            raise InvalidArgument(f"{path}: the journal has no entry seq {expected} (next is {payload['seq']})")
+        journal.entries.append(Entry(payload["seq"], payload["kind"], payload["request"], payload["outcome"]))
     return journal

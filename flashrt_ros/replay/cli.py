@@ -28,10 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         journal = read_bag(args.bag)
         threads = journal.session.get("torch_threads")
-        if threads:   # see session_of: the split of elementwise work must be the recorded one
-            torch.set_num_threads(int(threads))
+        if threads is not None:   # see session_of: the split of elementwise work must be the recorded one
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise ValueError(f"the session records torch_threads={threads!r}, not an int >= 1")
+            torch.set_num_threads(threads)
         engine = engine_for(journal.session, args.device, args.capsule_dir)
-    except (FlashRTError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read
         print(f"flashrt-replay: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     session = journal.session

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from ..errors import FlashRTError
+from ..errors import FlashRTError, InvalidArgument
 from ..snapshot_requests import SnapshotRequests
 
 # Kinds of entries, and the engine call each one replays as. SPILL is the spill
@@ -97,13 +97,13 @@ def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
             code = 0
         except FlashRTError as exc:
             produced, code = {}, int(exc.code)
-        _same(entry, "error_code", out.get("error_code", 0), code)
+        _check_recorded(entry, code)
+        _same(entry, "error_code", out["error_code"], code)
         report.entries += 1
         if code:
             report.failures_reproduced += 1
             continue
-        if "position" in out:
-            _same(entry, "position", out["position"], engine.position)
+        _same(entry, "position", out["position"], engine.position)
         for key, value in produced.items():
             if key in out:
                 _same(entry, key, out[key], value)
@@ -159,6 +159,21 @@ def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotReq
     capsule = req["capsule_id"]
     engine.capsules.drop(ids.get(capsule, capsule))
     return {}
+
+
+# What a successful entry of each kind must have recorded for its replay to be checked.
+_RECORDED = {DECODE: ("token",), STEP: ("action",), SNAPSHOT: ("capsule_id", "state_digest"),
+             FORK: ("capsule_id", "state_digest"), RESTORE: ("state_digest",), ROLLBACK: ("state_digest",),
+             DROP: ("state_digest",)}
+
+
+def _check_recorded(entry: Entry, code: int) -> None:
+    """A journal missing an output would replay as identical without checking it: refused."""
+    wanted = ("error_code", "position") + (_RECORDED.get(entry.kind, ()) if code == 0 else ())
+    missing = [key for key in wanted if key not in entry.outcome]
+    if missing:
+        raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) records no {', '.join(missing)}: "
+                              "a journal entry without its outputs cannot be checked")
 
 
 def _same(entry: Entry, what: str, recorded: Any, replayed: Any) -> None:
