@@ -264,17 +264,16 @@ class Engine:
             self._position += chunk.numel()
         self._boundary(PREFILL, start, ids.numel())
 
-    def _commit_token(self, sampled: bool = False) -> None:
-        (self._sample_step if sampled else self._token_step)()
-        self._position += 1
-        self._boundary(DECODE, self._position - 1, 1)
-
-    def _commit_logged_token(self, token: int) -> None:
-        """A replay's decode step: the token the run committed, not one chosen again (it may
-        have been drawn at a temperature the log does not keep). The same computation as
-        the step that chose it, over the same span, so the same bytes."""
-        span = self.model.decode_span(self._position, self.fixed_shapes)
-        self.model.commit_token(torch.tensor([token], device=self.device), span)
+    def _commit_token(self, sampled: bool = False, logged: int | None = None) -> None:
+        """One decode boundary: a token chosen now (greedy or ``sampled``), or in a replay the
+        ``logged`` one the run committed, not chosen again (it may have been drawn at a
+        temperature the log does not keep): the same computation over the same span once
+        the token is known, so the same bytes."""
+        if logged is None:
+            (self._sample_step if sampled else self._token_step)()
+        else:
+            self.model.commit_token(torch.tensor([logged], device=self.device),
+                                    self.model.decode_span(self._position, self.fixed_shapes))
         self._position += 1
         self._boundary(DECODE, self._position - 1, 1)
 
@@ -561,7 +560,7 @@ class Engine:
         for row in range(start, start + count):
             self.model.rng_seed.fill_(seeds[row])
             if kind == DECODE:
-                self._commit_logged_token(tokens[row])
+                self._commit_token(logged=tokens[row])
             else:
                 self._commit_step(observations[row])
 
