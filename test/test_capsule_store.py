@@ -109,6 +109,31 @@ def test_the_final_digest_is_announced_once_hashed_and_not_for_a_capsule_dropped
     assert [(i.id, i.digest, i.history_hash) for i in digests] == [(kept.id, final.digest, final.history_hash)]
 
 
+def test_a_fork_of_a_hashed_capsule_takes_its_digest_and_one_of_a_pending_capsule_is_hashed(tmp_path):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128, capsule_dir=tmp_path)
+    events = []
+    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.id)))
+    engine.prefill(list(range(1, 20)))
+    source = engine.capsules.get(engine.snapshot("source").id)       # waits: hashed
+    fork = engine.fork(source.id)
+    assert (fork.digest, fork.history_hash) == (source.digest, source.history_hash) != ("", "")
+    assert ("digest", fork.id) not in events                          # nothing was queued for it
+    on_disk = engine.snapshot("on-disk", tier="disk")                 # a disk capsule's digest is final
+    from_disk = engine.fork(on_disk.id)
+    assert from_disk.digest == on_disk.digest != "" and from_disk.tier == "host"
+    pending = engine.snapshot("pending")
+    late = engine.fork(pending.id)
+    assert late.digest == ""                                          # its source is not hashed yet
+    assert engine.capsules.get(late.id).digest == engine.capsules.get(pending.id).digest != ""
+    # The digests taken over are those of the bytes: each restores and verifies.
+    for info in (fork, from_disk, late):
+        engine.restore(info.id, verify=True)
+        assert engine.state_digest() == engine.capsules.get(info.id).digest
+    for info in engine.capsules.list():                               # every hold released on drop
+        engine.capsules.drop(info.id)
+    assert engine.capsules.used_bytes("device") == engine.capsules.used_bytes("host") == 0
+
+
 def test_shared_prefix_bytes_stay_until_the_last_capsule_using_them_is_dropped(tiny_engine):
     tiny_engine.prefill(list(range(60)))
     root = tiny_engine.snapshot("root")

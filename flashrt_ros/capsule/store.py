@@ -23,7 +23,7 @@ import torch
 from ..digest import history_digest, state_digest
 from ..errors import shown
 from . import diskformat
-from .digest_queue import SETTLED, DigestQueue
+from .digest_queue import FINISHED, SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
 from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier, is_capsule_id
@@ -309,7 +309,8 @@ class CapsuleStore:
         return record
 
     def fork(self, source: Record, name: str | None) -> Record:
-        """A new capsule with the same bytes as ``source``: metadata only, every chunk shared."""
+        """A new capsule with the same bytes as ``source``: metadata only, every chunk shared.
+        Same bytes, same digest: one the source has already is taken over, not hashed again."""
         name = check_name(name)
         with self._lock:
             if name and any(r.info.name == name for r in self._records.values()):
@@ -322,8 +323,9 @@ class CapsuleStore:
                 pieces, tier, nbytes = _pieces_over(chunk, ranges), "host", data.numel()
             else:
                 pieces, tier, nbytes = list(source.pieces), source.info.tier, 0
+            known = (source.info.digest, source.info.history_hash) if _digest_final(source) else None
             record = self._register(pieces, source.info.position, name, tier, False, source.info.id, nbytes,
-                                    source.log)
+                                    source.log, known=known)
         self._emit("fork", record.info)
         return record
 
@@ -394,18 +396,22 @@ class CapsuleStore:
 
     # ---- internals -------------------------------------------------------------------------------
     def _register(self, pieces: list[Piece], position: int, name: str, tier: str, pin: bool, parent: str,
-                  nbytes: int, log_runs: tuple) -> Record:
+                  nbytes: int, log_runs: tuple, known: tuple[str, str] | None = None) -> Record:
+        """``known``: the (digest, history hash) of these very bytes, when already computed."""
+        digest, history = known or ("", "")
         info = CapsuleInfo(
             id=secrets.token_hex(8), name=name, parent=parent, position=position, nbytes=nbytes, tier=tier,
             pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
-            layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
-        # Two holds per chunk: the record's, and its digest job's (which keeps the chunks
-        # alive if the capsule is dropped before it is hashed).
+            layout_fingerprint=self.layout.fingerprint, digest=digest, history_hash=history,
+            region_table=self.layout.table)
+        # Two holds per chunk while a digest is pending: the record's, and its digest job's
+        # (which keeps the chunks alive if the capsule is dropped before it is hashed).
         for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
-            chunk.refs += 2
+            chunk.refs += 1 if known else 2
         record = Record(info, pieces, log_runs)
         self._records[info.id] = record
-        self.digests.submit(record, list(pieces))
+        if not known:
+            self.digests.submit(record, list(pieces))
         return record
 
     def _release(self, pieces: list[Piece]) -> None:
@@ -680,6 +686,11 @@ class CapsuleStore:
             record.last_used = time.monotonic() - max(0.0, now - info.created)
             self._records[info.id] = record
             self._used["disk"] += info.nbytes
+
+
+def _digest_final(record: Record) -> bool:
+    """Whether the record's digest is computed (a failed hash leaves it empty)."""
+    return (record.job is None or record.job.state in (FINISHED, SETTLED)) and record.info.digest != ""
 
 
 def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]:

@@ -406,7 +406,8 @@ class Engine:
         From a capsule it is metadata only: every byte is shared with the source,
         copy-on-write (capsules are immutable, so nothing is ever written). From
         the live state it is a snapshot whose parent is the capsule the state
-        descends from. Its digest is computed in the background, as a snapshot's is.
+        descends from. Its digest is computed in the background, as a snapshot's is,
+        except that a fork of a capsule already hashed takes over its digest at once.
         """
         if source is None or source == "":
             return self.snapshot(name=name)
