@@ -1,6 +1,8 @@
 """Tiers and budgets: LRU spill down a tier or refuse, pinned capsules stay, every move is announced."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -107,6 +109,29 @@ def test_the_final_digest_is_announced_once_hashed_and_not_for_a_capsule_dropped
     final = engine.capsules.get(kept.id)
     assert final.digest and final.history_hash
     assert [(i.id, i.digest, i.history_hash) for i in digests] == [(kept.id, final.digest, final.history_hash)]
+
+
+def test_a_digest_listener_may_call_back_into_the_store_on_either_thread():
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    seen, done = [], threading.Event()
+
+    def on_event(kind, info):
+        if kind == "digest":   # the final info, asked for from inside the announcement
+            seen.append((info.id, engine.capsules.get(info.id).digest, threading.current_thread().name))
+            done.set()
+
+    engine.capsules.subscribe(on_event)
+    engine.prefill(list(range(1, 20)))
+    first = engine.snapshot("worker")
+    engine.prefill([3])                        # wakes the digest thread, which hashes "worker"
+    assert done.wait(10), "the digest thread's announcement never came back"
+    assert engine.lock.acquire(timeout=5)       # and nothing kept the engine's lock
+    engine.lock.release()
+    second = engine.snapshot("caller")
+    final = engine.capsules.get(second.id)      # hashed in this thread, announced here too
+    assert [(i, d) for i, d, _ in seen] == [(first.id, engine.capsules.get(first.id).digest),
+                                            (second.id, final.digest)]
+    assert seen[0][2] == "capsule-digest" and seen[1][2] == threading.current_thread().name
 
 
 def test_a_fork_of_a_hashed_capsule_takes_its_digest_and_one_of_a_pending_capsule_is_hashed(tmp_path):

@@ -38,11 +38,15 @@ class Job:
 
 
 class DigestQueue:
-    """``compute(record, pieces)`` runs on a worker thread; ``release(pieces)`` runs under ``lock``."""
+    """``compute(record, pieces)`` runs on a worker thread; ``release(pieces)`` runs under ``lock``;
+    ``announce(record)`` runs once the job is settled, so that it may call back into the store
+    (a listener that asks for the final info would otherwise wait for its own running job)."""
 
-    def __init__(self, compute: Callable[[Any, list], None], release: Callable[[list], None], lock: Any) -> None:
+    def __init__(self, compute: Callable[[Any, list], None], release: Callable[[list], None], lock: Any,
+                 announce: Callable[[Any], None]) -> None:
         # Weak: the worker thread must not keep a dropped engine's store (and its memory) alive.
         self._compute_ref, self._release_ref = weakref.WeakMethod(compute), weakref.WeakMethod(release)
+        self._announce_ref = weakref.WeakMethod(announce)
         self._lock = lock
         # One lock, two conditions: the worker waits for work on ``_cond``, callers wait for a
         # running job on ``_done``. Sharing one condition woke the worker for every finished
@@ -108,6 +112,8 @@ class DigestQueue:
                     job.waited = True
                     self._done.wait_for(lambda: job.state != RUNNING)
         self._settle(job)
+        if here:
+            self._announce(record)
 
     def close(self) -> None:
         """Finish the queued jobs and stop (call without ``lock``: the worker needs it)."""
@@ -124,6 +130,11 @@ class DigestQueue:
         compute = self._compute_ref()
         if compute is not None:
             compute(record, pieces)
+
+    def _announce(self, record: Any) -> None:
+        announce = self._announce_ref()
+        if announce is not None:
+            announce(record)
 
     def _settle(self, job: Job) -> None:
         with self._cond:
@@ -154,7 +165,7 @@ class DigestQueue:
         except Exception:  # a digest failure must never kill the worker
             log.exception("digest of capsule %s failed", job.record.info.id)
         finally:
-            # Announce first, settle after: a waiter may hold the lock the release needs.
+            # Finished first, settled after: a waiter may hold the lock the release needs.
             with self._cond:
                 if job.state == RUNNING:
                     job.state = FINISHED
@@ -163,3 +174,4 @@ class DigestQueue:
             if mine:  # else the waiter settles it: queueing for its lock would only delay its next call
                 with self._lock:
                     self._settle(job)
+            self._announce(job.record)

@@ -211,7 +211,7 @@ class CapsuleStore:
         self._local = {"device": True, "host": device.type == "cpu"}
         self.pool = DevicePool(self._budgets.get("device", 0), device)
         self.dir = Path(capsule_dir) if capsule_dir else None
-        self.digests = DigestQueue(self._compute_digest, self._release, self._lock)
+        self.digests = DigestQueue(self._compute_digest, self._release, self._lock, self._announce_digest)
         if self.dir is not None:
             self._load_disk()
 
@@ -441,7 +441,10 @@ class CapsuleStore:
         history = history_digest(self.layout.regions, record.info.position, read)
         # Only _demote also replaces info, and it finishes the job first.
         record.info = replace(record.info, digest=digest, history_hash=history)
-        if record.info.id in self._records:   # not for a capsule dropped before its hash was done
+
+    def _announce_digest(self, record: Record) -> None:
+        """After the digest job is over: not for a capsule dropped before its hash was done."""
+        if record.info.digest and record.info.id in self._records:
             self._emit("digest", record.info)
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
