@@ -419,6 +419,27 @@ def test_a_spill_the_tier_below_cannot_take_evicts_instead_of_failing_half_way()
     assert ("spill", "A") in events and ("evict", "B") in events
 
 
+def test_a_fork_of_a_disk_capsule_never_spills_its_own_source_out_of_a_full_disk_tier(tmp_path):
+    probe = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    probe.prefill(list(range(20)))
+    size = probe.snapshot().nbytes
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=tmp_path, spill=True,
+                                budgets={"device": 4 * (size + 256), "host": size, "disk": size})
+    events = []
+    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.name, info.tier)))
+    engine.prefill(list(range(20)))
+    source = engine.snapshot("source", tier="disk")                  # the disk tier is full
+    engine.reset()
+    engine.prefill(list(range(1, 21)))
+    engine.snapshot("on-host", tier="host")                          # and so is the host tier
+    child = engine.fork("source", "child")   # host room: "on-host" cannot go down, so it goes
+    assert [(i.name, i.tier) for i in engine.capsules.list()] == [("source", "disk"), ("child", "host")]
+    assert [e for e in events if e[0] in ("evict", "spill", "fork")] == [("evict", "on-host", "host"),
+                                                                          ("fork", "child", "host")]
+    engine.restore(child.id, verify=True)
+    assert engine.state_digest() == engine.capsules.get(source.id).digest
+
+
 def test_a_failed_disk_write_costs_no_older_disk_capsule(tmp_path, monkeypatch):
     import errno
 

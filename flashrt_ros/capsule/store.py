@@ -200,6 +200,9 @@ class CapsuleStore:
         self._budgets = dict(budgets)
         self._used = {t: 0 for t in TIERS}
         self._records: dict[str, Record] = {}
+        # Capsules the call in progress works from: no spill it sets off, however far down the
+        # tiers it cascades, may move or evict them.
+        self._spared: list[Record] = []
         # The engine passes its own lock: one lock orders every state change, and
         # the digest thread's releases (which may touch the engine's rollback ring)
         # wait for the current step instead of racing it.
@@ -318,7 +321,7 @@ class CapsuleStore:
             source.last_used = time.monotonic()   # in use: the room the fork needs must not cost it
             if source.info.tier == "disk":
                 data, ranges = self._read_disk(source)
-                chunk = self._allocate("host", data.numel())
+                chunk = self._allocate("host", data.numel(), spare=source)
                 chunk.data.copy_(data)
                 pieces, tier, nbytes = _pieces_over(chunk, ranges), "host", data.numel()
             else:
@@ -455,17 +458,27 @@ class CapsuleStore:
         return parts
 
     def _allocate(self, tier: str, nbytes: int, spare: Record | None = None) -> Chunk:
-        """A chunk of ``nbytes`` on ``tier``, spilling (never ``spare``) to make room."""
+        """A chunk of ``nbytes`` on ``tier``, spilling to make room: never ``spare``, also not
+        when a spill makes room in the tier below in turn."""
+        if spare is None:
+            return self._allocate_sparing(tier, nbytes)
+        self._spared.append(spare)
+        try:
+            return self._allocate_sparing(tier, nbytes)
+        finally:
+            self._spared.pop()
+
+    def _allocate_sparing(self, tier: str, nbytes: int) -> Chunk:
         if tier == "device":
             # The pool is the device budget: a chunk that fits needs no room made first.
             chunk = self.pool.allocate(nbytes)
             if chunk is None:
-                self._make_room(tier, nbytes, spare)
+                self._make_room(tier, nbytes)
                 chunk = self.pool.allocate(nbytes)
             if chunk is None:
                 raise BudgetExceeded(f"device tier: no {nbytes} contiguous bytes left in the pool")
         else:
-            self._make_room(tier, nbytes, spare)
+            self._make_room(tier, nbytes)
             chunk = host_chunk(nbytes, self._pin_host)
         self._used[tier] += chunk.nbytes
         return chunk
@@ -475,8 +488,8 @@ class CapsuleStore:
             return self.pool.largest_free() >= self.pool.footprint(nbytes)
         return self._used[tier] + nbytes <= self._budgets.get(tier, 0)
 
-    def _make_room(self, tier: str, nbytes: int, spare: Record | None = None) -> None:
-        victims = self._victims(tier, nbytes, spare)
+    def _make_room(self, tier: str, nbytes: int) -> None:
+        victims = self._victims(tier, nbytes)
         for victim in victims:
             if self._fits(tier, nbytes):
                 return
@@ -486,7 +499,7 @@ class CapsuleStore:
                 f"{tier} tier: {nbytes} bytes do not fit even after spilling every unpinned capsule "
                 f"({self._used[tier]} of {self._budgets.get(tier, 0)} used)")
 
-    def _victims(self, tier: str, nbytes: int, spare: Record | None = None) -> list[Record]:
+    def _victims(self, tier: str, nbytes: int) -> list[Record]:
         """The capsules to move down, least recently used first, for ``nbytes`` to fit in
         ``tier`` ([] if they fit already). BudgetExceeded, before anything moves, if even
         all of them would not make room."""
@@ -503,7 +516,8 @@ class CapsuleStore:
                 f"{tier} tier: {nbytes} more bytes exceed the budget ({self._used[tier]} of {budget} used); "
                 f"spill is off")
         victims = sorted((r for r in self._records.values()
-                          if r.info.tier == tier and not r.info.pinned and r is not spare),
+                          if r.info.tier == tier and not r.info.pinned
+                          and not any(r is s for s in self._spared)),
                          key=lambda r: r.last_used)
         if not self._fits_without(tier, nbytes, victims):   # refuse before a single capsule moves
             raise BudgetExceeded(
