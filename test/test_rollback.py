@@ -53,6 +53,31 @@ def test_rollback_after_restore_reaches_back_to_the_capsule(tiny_engine):
     assert tiny_engine.state_digest() == tiny_engine.capsules.get(capsule.id).digest
 
 
+@pytest.mark.parametrize("kept", [True, False])
+def test_rollback_older_than_the_ring_starts_from_a_capsule_the_run_passed_when_one_is_kept(kept):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, rollback_depth=2)
+    engine.prefill(PROMPT)
+    engine.generate(4)
+    capsule = engine.snapshot()
+    engine.generate(12)
+    reference = engine.state_digest()
+    if not kept:
+        engine.capsules.drop(capsule.id)
+    cold = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    cold.prefill(PROMPT)
+    cold.generate(9)
+    assert engine.rollback(to_position=cold.position) == cold.position
+    assert engine.rollback_origin == (capsule.id if kept else "")   # else the empty state and all the log
+    assert engine.state_digest() == cold.state_digest()
+    assert engine.generate(7) == cold.generate(7)
+    assert engine.state_digest() == reference                        # the run's own state again
+    # A capsule past the target, or one the run left by going back below it, is no start.
+    assert engine.rollback(to_position=len(PROMPT) + 2) == len(PROMPT) + 2 and engine.rollback_origin == ""
+    engine.generate(10)
+    engine.rollback(to_position=len(PROMPT) + 8)
+    assert engine.rollback_origin == ""
+
+
 def test_policy_steps_roll_back_and_replay():
     cfg = ModelConfig.tiny(obs_dim=4, action_dim=2)
     engine, cold = Engine.from_config(cfg, max_seq_len=128, rollback_depth=2), Engine.from_config(cfg, max_seq_len=128)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -68,14 +69,26 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
 
 
 def stale_temp_files(folder: Path) -> list[Path]:
-    """Temp files of interrupted writes: their writer's process is gone (or unnamed)."""
+    """Temp files of interrupted writes (named as ``write`` names them, plain files) whose
+    writer's process is gone. Anything else is not ours to delete."""
     stale = []
-    for tmp in folder.glob(f".*{SUFFIX}*.tmp"):
+    for tmp in folder.glob(f".*{SUFFIX}.*.tmp"):
         pid = tmp.name[:-len(".tmp")].rpartition(".")[2]
-        if pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))):
+        if not pid.isdigit() or not is_plain_file(tmp):
+            continue
+        if int(pid) == os.getpid() or _alive(int(pid)):
             continue   # being written, by this process or by another one still running
         stale.append(tmp)
     return stale
+
+
+def is_plain_file(path: Path) -> bool:
+    """A regular file, not a link to one: a FIFO would block the reader that opens it, and
+    dropping a capsule reached through a link would delete the link, not the bytes."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -103,11 +116,13 @@ def read_header(path: Path) -> dict:
         raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None
     try:
         header = json.loads(meta[_KEY])
-    except (KeyError, ValueError) as exc:
-        raise CorruptCapsule(f"{path.name}: missing or malformed capsule header ({exc})") from None
-    if not isinstance(header, dict) or header.get("version") != VERSION:
-        raise CorruptCapsule(f"{path.name}: unsupported capsule header version {header.get('version') if isinstance(header, dict) else None!r}")
-    if header.get("header_digest") != _header_digest(header):
+        if not isinstance(header, dict) or header.get("version") != VERSION:
+            raise CorruptCapsule(f"{path.name}: unsupported capsule header version "
+                                 f"{header.get('version') if isinstance(header, dict) else None!r}")
+        sealed = header.get("header_digest") == _header_digest(header)
+    except (KeyError, ValueError, RecursionError) as exc:   # RecursionError: JSON nested past any header's depth
+        raise CorruptCapsule(f"{path.name}: missing or malformed capsule header ({type(exc).__name__})") from None
+    if not sealed:
         raise CorruptCapsule(f"{path.name}: capsule header does not match its header digest")
     ranges = header.get("ranges")
     if (dtype != "U8" or len(shape) != 1 or not isinstance(ranges, list)

@@ -188,7 +188,7 @@ class CapsuleStore:
                  budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
                  on_event: Callable[[str, CapsuleInfo], None] | None = None,
                  lock: AbstractContextManager | None = None, log_kinds: Iterable[str] = ()) -> None:
-        unknown = sorted(set(budgets) - set(TIERS))
+        unknown = sorted(set(budgets) - set(TIERS), key=repr)
         if unknown:
             raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
         for tier, value in budgets.items():
@@ -212,7 +212,11 @@ class CapsuleStore:
         self._pin_host = device.type == "cuda"
         # Tiers whose chunks sit on the arena's device, where a snapshot is one batched copy.
         self._local = {"device": True, "host": device.type == "cpu"}
-        self.pool = DevicePool(self._budgets.get("device", 0), device)
+        try:
+            self.pool = DevicePool(self._budgets.get("device", 0), device)
+        except (RuntimeError, MemoryError) as exc:   # torch's out-of-memory errors are RuntimeErrors
+            raise InvalidCapsuleRequest(f"the device budget of {self._budgets.get('device', 0)} bytes cannot be "
+                                        f"allocated on {device}: {str(exc).splitlines()[0][:200]}") from None
         self.dir = Path(capsule_dir) if capsule_dir else None
         self.digests = DigestQueue(self._compute_digest, self._release, self._lock, self._announce_digest)
         if self.dir is not None:
@@ -257,9 +261,20 @@ class CapsuleStore:
             raise UnknownCapsule(f"no capsule with id or name {shown(key)}")
         return record
 
+    def keeps(self, record: Record) -> bool:
+        """Whether ``record`` is still in the store (not dropped or evicted)."""
+        with self._lock:
+            return self._records.get(record.info.id) is record
+
     def drop(self, ref: str | CapsuleInfo) -> CapsuleInfo:
         with self._lock:
             record = self.resolve(ref)
+            if record.path is not None:
+                # The file first: one left behind would bring the capsule back at the next start.
+                try:
+                    record.path.unlink(missing_ok=True)
+                except OSError as exc:
+                    raise CapsuleIOError(f"cannot drop capsule {record.info.id}: {exc.strerror or exc}") from None
             self._remove(record)
         self._emit("drop", record.info)
         return record.info
@@ -591,7 +606,10 @@ class CapsuleStore:
         record.pieces = []
         if record.path is not None:
             self._used["disk"] -= record.info.nbytes
-            record.path.unlink(missing_ok=True)
+            try:
+                record.path.unlink(missing_ok=True)
+            except OSError as exc:   # an eviction goes on: the room is counted, the file may come back
+                log.warning("capsule %s evicted, but its file stays: %s", record.info.id, exc.strerror or exc)
 
     def _emit(self, kind: str, info: CapsuleInfo) -> None:
         for listener in list(self._listeners):
@@ -675,6 +693,8 @@ class CapsuleStore:
         loaded = []
         for path in files:
             try:
+                if not diskformat.is_plain_file(path):
+                    raise CorruptCapsule(f"{path.name}: not a regular file")
                 header = diskformat.read_header(path)
                 info = _info_from_header(header, self.layout.table)
                 # What the file holds, whatever the header's own count says.
@@ -777,6 +797,9 @@ def _info_fields(info: CapsuleInfo) -> dict:
     return {k: getattr(info, k) for k in _INFO_KEYS} | {"region_table": list(info.region_table)}
 
 
+_LATEST_CREATED = 2.0 ** 31   # seconds since 1970: a ROS Time's int32 seconds end there (2038)
+
+
 def _info_from_header(header: dict, table: tuple[dict, ...]) -> CapsuleInfo:
     try:
         fields = {k: header[k] for k in _INFO_KEYS}
@@ -786,6 +809,9 @@ def _info_from_header(header: dict, table: tuple[dict, ...]) -> CapsuleInfo:
                 raise CorruptCapsule(f"capsule header field {key!r} has the wrong type")
         if fields["position"] < 0:
             raise CorruptCapsule("capsule header has a negative position")
+        # A creation time as time.time() gives one: ages, LRU order and ROS stamps are computed from it.
+        if isinstance(fields["created"], bool) or not 0 <= fields["created"] < _LATEST_CREATED:
+            raise CorruptCapsule(f"capsule header has a creation time out of range: {shown(fields['created'])}")
         check_name(fields["name"])
         if tuple(header["region_table"]) != table:
             raise FingerprintMismatch("capsule region table differs from this engine's arena")

@@ -19,7 +19,7 @@ import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..capsule.errors import CorruptCapsule
-from ..errors import FlashRTError, InvalidArgument, Preempted
+from ..errors import FlashRTError, InvalidArgument, Preempted, shown
 from . import weights as weights_io
 from .arena import GROUPS, StateArena
 from .config import ModelConfig
@@ -102,6 +102,7 @@ class Engine:
         self.layout_fingerprint = self.arena.layout_fingerprint()
         self._position = 0
         self._lineage = 0
+        self._rollback_origin = ""
         depth = int(opts["rollback_depth"])   # checked in __init__
         budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
         budgets.update(opts["budgets"] or {})
@@ -180,6 +181,12 @@ class Engine:
         rollback that moves back, a reset. A caller committing tokens across several calls
         (a generate goal) checks it under ``lock`` to know that it still extends its own state."""
         return self._lineage
+
+    @property
+    def rollback_origin(self) -> str:
+        """The id of the capsule the last ``rollback(to_position=...)`` started its replay from
+        ("" when it started from the ring or from the empty state)."""
+        return self._rollback_origin
 
     @property
     def sampling_seed(self) -> int:
@@ -439,7 +446,7 @@ class Engine:
             self.capsules.check_compatible(record)
             position = record.info.position
             if regions is not None:
-                return self._restore_groups(record, list(regions), verify)
+                return self._restore_groups(record, regions, verify)
             backup = None
             if verify:
                 self.capsules.verify(record)
@@ -462,10 +469,10 @@ class Engine:
             self._base = (record, position)
             return record.info
 
-    def _restore_groups(self, record, groups: list[str], verify: bool) -> CapsuleInfo:
-        unknown = sorted(set(groups) - set(GROUPS))
-        if unknown or not groups:
-            raise InvalidCapsuleRequest(f"regions must name groups among {list(GROUPS)}, got {groups}")
+    def _restore_groups(self, record, regions: Sequence[str], verify: bool) -> CapsuleInfo:
+        groups = list(regions) if isinstance(regions, (list, tuple)) else None
+        if not groups or not all(isinstance(g, str) and g in GROUPS for g in groups):
+            raise InvalidCapsuleRequest(f"regions must be a list of groups among {list(GROUPS)}, got {shown(regions)}")
         if verify:
             raise InvalidCapsuleRequest("verify needs a full restore (regions=None)")
         self.capsules.write_back(record, self.arena.buffer, groups)
@@ -521,8 +528,19 @@ class Engine:
         # block, and (taken below, once the start is known) the rows it rewrites.
         before = (self.arena.buffer[:self.arena.fixed_bytes].clone(), self._position, self._base)
         back = self._ring.newest_at_or_before(target)
+        origin = None if back is not None else self._passed_capsule(target)
+        self._rollback_origin = ""
         if back is not None:
             self._go_back(back)
+        elif origin is not None:
+            # Older than the ring, but the run passed this capsule's boundary on the way: a nearer
+            # start than the empty state. Its rows are the live ones, so only its fixed block is copied.
+            at = origin.info.position
+            fixed, owner = self.capsules.write_back(origin, self.arena.buffer, keep_rows=at)
+            self._position, self._log, self._base = at, BoundaryLog(origin.log), (origin, at)
+            self._ring.clear()
+            self._ring.borrow(fixed, at, owner)
+            self._rollback_origin = origin.info.id
         else:  # older than the ring: start from the empty state; the history rows stay
             self.arena.buffer[:self.arena.fixed_bytes].zero_()
             self._position = 0
@@ -543,12 +561,24 @@ class Engine:
             for view, saved in rows:
                 view[start:target].copy_(saved)
             self._position, self._base, self._log = before[1], before[2], logged
+            self._rollback_origin = ""
             self._ring.clear()   # the steps back it held are gone; the state is the one before
             self._ring.push(self.arena.buffer, self._position)
             raise
         if target < before[1]:   # back to where it was: the state is the same one
             self._lineage += 1
         return self._position
+
+    def _passed_capsule(self, target: int):
+        """The capsule the live state descends from, if it is still kept and the run went
+        through its boundary at or before ``target`` (its rows are still all live)."""
+        if self._base is None:
+            return None
+        record, rows = self._base
+        at = record.info.position
+        if not 0 < at <= min(target, rows) or not self.capsules.keeps(record):
+            return None
+        return record
 
     def _replay(self, kind: str, start: int, count: int, tokens: list[int], seeds: list[int],
                 observations) -> None:

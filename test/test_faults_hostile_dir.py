@@ -1,0 +1,104 @@
+"""What a capsule_dir may hold besides capsules (resealed headers, FIFOs, links, folders) and
+odd arguments: each is skipped or refused with a CapsuleError, and the engine starts and serves."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flashrt_ros.capsule import CapsuleError, diskformat
+from flashrt_ros.errors import ErrorCode
+from flashrt_ros.runtime import Engine, ModelConfig
+
+
+def _engine(folder, **options) -> Engine:
+    return Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=folder, **options)
+
+
+def _reseal(path, **changes) -> None:
+    """Rewrite a capsule file with ``changes`` to its header, digests recomputed as anyone can."""
+    header = diskformat.read_header(path)
+    data = diskformat.read_data(path, header)
+    for key in ("version", "data_digest", "header_digest"):
+        header.pop(key)
+    diskformat.write(path, {**header, **changes}, data)
+
+
+@pytest.mark.parametrize("created", [float("nan"), float("inf"), -0.5, 10 ** 400, 2.0 ** 40, True])
+def test_a_resealed_creation_time_out_of_range_is_skipped(tmp_path, created, caplog):
+    engine = _engine(tmp_path)
+    engine.prefill([1, 2, 3])
+    bad = engine.snapshot("bad", tier="disk")
+    engine.close()
+    _reseal(diskformat.path_for(tmp_path, bad.id), created=created)
+    assert _engine(tmp_path).capsules.list() == []
+    assert "creation time out of range" in caplog.text
+
+
+def test_a_header_nested_past_any_depth_is_skipped(tmp_path, caplog):
+    engine = _engine(tmp_path)
+    engine.prefill([1, 2, 3])
+    bad = engine.snapshot("bad", tier="disk")
+    engine.close()
+    path = diskformat.path_for(tmp_path, bad.id)
+    header = diskformat.read_header(path)
+    data = diskformat.read_data(path, header)
+    from safetensors.torch import save_file
+    save_file({"state": data}, str(path), metadata={"flashrt_capsule": "[" * 100_000 + "]" * 100_000})
+    assert _engine(tmp_path).capsules.list() == []
+    assert "malformed capsule header (RecursionError)" in caplog.text
+
+
+def test_fifos_links_and_folders_in_the_dir_neither_block_nor_stop_the_start(tmp_path, caplog):
+    engine = _engine(tmp_path)
+    engine.prefill([1, 2, 3])
+    real = engine.snapshot("real", tier="disk")
+    engine.close()
+    os.mkfifo(tmp_path / f"{'a' * 16}{diskformat.SUFFIX}")                       # opening it would block
+    os.symlink(diskformat.path_for(tmp_path, real.id), tmp_path / f"{'b' * 16}{diskformat.SUFFIX}")
+    (tmp_path / f".{'c' * 16}{diskformat.SUFFIX}.1.tmp").mkdir()                 # not a temp file of ours
+    notes = tmp_path / f".notes{diskformat.SUFFIX}.draft.tmp"
+    notes.write_text("not written by a capsule writer")
+    engine = _engine(tmp_path)
+    assert [c.id for c in engine.capsules.list()] == [real.id]
+    assert caplog.text.count("not a regular file") == 2
+    assert notes.exists() and (tmp_path / f".{'c' * 16}{diskformat.SUFFIX}.1.tmp").is_dir()
+
+
+@pytest.mark.parametrize("regions", [5, "kv", [1, "kv"], [["kv"]], [], ["kv", "nope"]])
+def test_a_restore_of_bad_regions_is_refused_and_changes_nothing(regions):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.prefill([1, 2, 3])
+    capsule = engine.snapshot()
+    engine.generate(3)
+    before = engine.state_digest()
+    with pytest.raises(CapsuleError, match="regions must be a list of groups") as info:
+        engine.restore(capsule.id, regions=regions)
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT and engine.state_digest() == before
+
+
+@pytest.mark.parametrize("budgets, words", [({1: 10, "x": 10}, "unknown tiers"),
+                                            ({"device": 2 ** 62}, "cannot be allocated")])
+def test_budgets_that_cannot_be_are_refused_at_construction(budgets, words):
+    with pytest.raises(CapsuleError, match=words) as info:
+        Engine.from_config(ModelConfig.tiny(), max_seq_len=64, budgets=budgets)
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_a_drop_whose_file_cannot_go_fails_and_keeps_the_capsule(tmp_path):
+    folder = tmp_path / "capsules"
+    engine = _engine(folder)
+    engine.prefill([1, 2, 3])
+    kept = engine.snapshot("kept", tier="disk")
+    used = engine.capsules.used_bytes("disk")
+    moved = tmp_path / "moved"
+    folder.rename(moved)
+    folder.write_text("a file where the folder was")
+    with pytest.raises(CapsuleError) as info:
+        engine.capsules.drop(kept.id)
+    assert info.value.code == ErrorCode.IO_ERROR
+    assert [c.id for c in engine.capsules.list()] == [kept.id] and engine.capsules.used_bytes("disk") == used
+    folder.unlink()
+    moved.rename(folder)
+    engine.capsules.drop(kept.id)
+    assert engine.capsules.list() == [] and not any(folder.iterdir())
