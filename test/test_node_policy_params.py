@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("rclpy")
 
 from flashrt_ros.errors import ErrorCode  # noqa: E402
-from ros_harness import Harness  # noqa: E402
+from ros_harness import Harness, wait_future  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOINTS = [f"joint{i}" for i in range(1, 8)]
@@ -229,3 +229,42 @@ def test_launch_file_declares_its_arguments_and_names_the_installed_parts():
     spec.loader.exec_module(module)
     description = module.generate_launch_description()
     assert any(isinstance(e, launch_ros.actions.LifecycleNode) for e in description.entities)
+
+
+def test_observations_during_a_goal_are_dropped_not_interleaved_with_its_tokens(ros_context):
+    from flashrt_ros.runtime import Engine, ModelConfig
+
+    h = Harness(ros_context)
+    try:
+        joints, poses = h.policy_publishers()
+        poses.publish(_pose())
+        time.sleep(0.3)
+        prompt = list(range(1, 9))
+        streamed = []
+        _, result = h.generate(token_ids=prompt, max_new_tokens=300, feedback=streamed.append)
+        deadline = time.monotonic() + 30
+        while not streamed and time.monotonic() < deadline:   # the goal holds the state from here
+            time.sleep(0.001)
+        sent = 0
+        while not result.done():
+            joints.publish(_joint_state([0.01 * sent] * 7))
+            sent += 1
+            time.sleep(0.003)
+        answer = wait_future(result).result
+        assert answer.success, answer.message
+        assert answer.position == len(prompt) + len(answer.tokens)
+        reference = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512)
+        reference.prefill(prompt)
+        assert list(answer.tokens) == reference.generate(len(answer.tokens))
+        deadline = time.monotonic() + 10
+        while h.node._counters["rejected_observations"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sent > 0 and h.node._counters["rejected_observations"] > 0
+        # Once the goal is over, observations are steps again.
+        steps = h.node._counters["policy_steps"]
+        joints.publish(_joint_state([0.2] * 7))
+        while h.node._counters["policy_steps"] == steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert h.node._counters["policy_steps"] == steps + 1
+    finally:
+        h.close()

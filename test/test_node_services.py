@@ -434,3 +434,47 @@ def test_a_process_wide_node_rename_names_the_services_helper_apart():
         if node is not None:
             node.destroy_node()
         context.try_shutdown()
+
+
+def test_a_default_goal_keeps_the_states_seed(live):
+    from flashrt_ros.action import Generate
+
+    h = live
+    assert Generate.Goal().seed == -1   # an unset field, as any client language sends it
+    _, result = h.generate(token_ids=[5, 6, 7], max_new_tokens=2, temperature=1.0, seed=7)
+    assert wait_future(result).result.success
+    goal = Generate.Goal(max_new_tokens=2)
+    handle = wait_future(h.generate_client.send_goal_async(goal))
+    assert wait_future(handle.get_result_async()).result.success
+    assert h.node.engine.sampling_seed == 7
+
+
+def test_a_rollback_past_the_ring_names_the_capsule_it_started_from(live):
+    h = live
+    _prefill(h)
+    checkpoint = h.call("snapshot", name="checkpoint")
+    _ok(checkpoint)
+    _, result = h.generate(max_new_tokens=20)
+    assert len(wait_future(result).result.tokens) == 20   # no eos from this prompt on the tiny model
+    back = h.call("rollback", to_position=26)
+    _ok(back)
+    assert back.position == 26 and back.capsule_id == checkpoint.capsule_id
+    within_ring = h.call("rollback", steps=1)
+    _ok(within_ring)
+    assert within_ring.capsule_id == ""
+
+
+def test_a_request_whose_handler_raises_costs_that_answer_not_the_services(live):
+    h = live
+    serve = h.node._serve
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault outside the request's own error handling")
+
+    h.node._serve = broken
+    with pytest.raises(TimeoutError):
+        h.call("list_capsules", timeout=2)
+    h.node._serve = serve
+    _ok(h.call("list_capsules"))
+    _ok(h.call("snapshot"))
+    assert h.node._capsule_services.alive and h.node._capsule_services.failures == 1

@@ -9,8 +9,12 @@ from ..msg import CapsuleInfo as CapsuleInfoMsg
 
 
 def stamp(seconds: float) -> Time:
+    """A ROS Time for seconds since the epoch; zero for what it cannot hold (a message that
+    fails to serialise would fail the whole answer, not just its stamp)."""
+    if not 0 <= seconds < 2 ** 31:   # False for NaN too
+        return Time()
     whole = int(seconds)
-    return Time(sec=whole, nanosec=int((seconds - whole) * 1e9))
+    return Time(sec=whole, nanosec=min(int((seconds - whole) * 1e9), 999_999_999))
 
 
 def info_msg(info: CapsuleInfo | None) -> CapsuleInfoMsg:

@@ -174,7 +174,11 @@ class FlashRTNode(LifecycleNode):
                     budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
         engine = Engine.load(vals["model_path"], seed=vals["seed"],
                              policy_dims=(vals["policy.obs_dim"], vals["policy.action_dim"]), **opts)
-        return engine, load_tokenizer(vals["model_path"])
+        try:
+            return engine, load_tokenizer(vals["model_path"])
+        except BaseException:
+            engine.close()   # its arena, pool and digest thread: a failed configure keeps nothing
+            raise
 
     def _start_journal(self, vals: dict[str, Any]) -> None:
         folder = Path(vals["journal_path"])
@@ -354,7 +358,9 @@ class FlashRTNode(LifecycleNode):
         def call(engine: Engine):
             if request.to_position < -1:
                 raise InvalidArgument(f"to_position must be >= 0, or -1 for unused; got {request.to_position}")
-            engine.rollback(steps=request.steps, to_position=None if request.to_position == -1 else request.to_position)
+            to_position = None if request.to_position == -1 else request.to_position
+            engine.rollback(steps=request.steps, to_position=to_position)
+            response.capsule_id = engine.rollback_origin if to_position is not None else ""
             self._version += 1
             return None, {}
 
@@ -428,6 +434,11 @@ class FlashRTNode(LifecycleNode):
         try:
             obs = build_observation(self._joint_names, msg, self._latest_pose)
             with engine.lock:
+                # Checked under the engine lock, which a goal holds for each token it commits:
+                # a step now would land between two of its tokens, inside the text it returns.
+                if self._generation.locked():
+                    self._reject("a generate goal is running; a step would interleave with its tokens")
+                    return
                 action = engine.step(obs)
                 self.note_state_change(J.STEP, {"observation": obs.tolist()}, {"action": J.action_bytes(action)})
         except InvalidArgument as exc:
@@ -459,11 +470,14 @@ class FlashRTNode(LifecycleNode):
         self._events.publish(msg)
 
     def _publish_event(self, kind: str, info: CapsuleInfo | None, response: Any) -> None:
-        msg = CapsuleEvent(kind=kind, capsule=info_msg(info), position=response.position,
-                           latency_ms=response.latency_ms, success=response.success,
-                           error_code=response.error_code, message=response.message)
-        msg.header.stamp = self.get_clock().now().to_msg()
-        self._events.publish(msg)
+        try:
+            msg = CapsuleEvent(kind=kind, capsule=info_msg(info), position=response.position,
+                               latency_ms=response.latency_ms, success=response.success,
+                               error_code=response.error_code, message=response.message)
+            msg.header.stamp = self.get_clock().now().to_msg()
+            self._events.publish(msg)
+        except Exception:  # the answer is what matters: an event that cannot go out must not cost it
+            self.get_logger().error(f"{kind} event not published:\n{traceback.format_exc()}")
 
     def _publish_if_dirty(self) -> None:
         if self._dirty.is_set():
@@ -472,16 +486,22 @@ class FlashRTNode(LifecycleNode):
     def _publish_status(self) -> None:
         self._dirty.clear()
         engine = self.engine
-        digest = ""
-        if engine is not None:
-            with engine.lock:
-                if self._digest[0] != (self._version, engine.position):
-                    self._digest = ((self._version, engine.position), engine.state_digest())
-                digest = self._digest[1]
         now = self.get_clock().now().to_msg()
-        status = status_msg(self._label, engine, digest, now)
+        if engine is None:
+            status = status_msg(self._label, None, "", now)
+        else:
+            with engine.lock:   # one moment for every field: the digest is the position's
+                # Not while a goal commits tokens: hashing the state every poll period would cost
+                # it decode steps. Its end marks the status dirty, and the digest follows then.
+                digest = ""
+                if not self._generation.locked():
+                    if self._digest[0] != (self._version, engine.position):
+                        self._digest = ((self._version, engine.position), engine.state_digest())
+                    digest = self._digest[1]
+                status = status_msg(self._label, engine, digest, now)
         self._status_pub.publish(status)
-        self._diagnostics.publish(diagnostics_msg(self.get_name(), status, self._latencies, self._counters, now))
+        counters = {**self._counters, "service_failures": self._capsule_services.failures}
+        self._diagnostics.publish(diagnostics_msg(self.get_name(), status, self._latencies, counters, now))
 
     def destroy_node(self) -> None:
         # Also reached from a constructor that failed (Kilted's Node.__init__ destroys

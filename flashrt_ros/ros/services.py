@@ -12,6 +12,8 @@ lifecycle node's methods, so refusals and the engine lock work as before.
 from __future__ import annotations
 
 import threading
+import time
+import traceback
 from typing import Any, Callable, Iterable
 
 from rclpy._rclpy_pybind11 import RCLError
@@ -33,20 +35,30 @@ class CapsuleServices:
         base = owner.get_fully_qualified_name()
         for srv, name, handler in services:
             self.node.create_service(srv, f"{base}/{name}", handler)
+        self.failures = 0   # requests whose handler or answer raised (each is logged)
         self._executor = SingleThreadedExecutor(context=owner.context)
         self._executor.add_node(self.node)
         self._thread = threading.Thread(target=self._spin, name="capsule-services", daemon=True)
         self._thread.start()
 
     def _spin(self) -> None:
-        try:
-            self._executor.spin()
-        except ExternalShutdownException:
-            pass
-        except RCLError:
-            # A shutdown that lands between two waits shows up as an invalid context.
-            if self.node.context.ok():
-                raise
+        while True:
+            try:
+                self._executor.spin()
+                return
+            except ExternalShutdownException:
+                return
+            except RCLError:
+                # A shutdown that lands between two waits shows up as an invalid context.
+                if not self.node.context.ok():
+                    return
+                self.failures += 1
+                self.node.get_logger().error(f"capsule services:\n{traceback.format_exc()}")
+            except Exception:
+                # A callback or its answer failed: that request is lost, the services must not be.
+                self.failures += 1
+                self.node.get_logger().error(f"capsule service request failed:\n{traceback.format_exc()}")
+            time.sleep(0.01)   # never a hot loop, whatever keeps failing
 
     @property
     def alive(self) -> bool:

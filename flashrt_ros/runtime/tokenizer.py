@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from ..errors import CheckpointError
+
 BOS, EOS = 256, 257
 
 
@@ -35,7 +37,10 @@ class FileTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as _HFTokenizer  # imported only when a checkpoint has one
 
-        self._tok = _HFTokenizer.from_file(str(path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:   # tokenizers raises bare Exceptions that name no file
+            raise CheckpointError(f"{path}: not a readable tokenizer ({exc})") from None
         self.eos_id = None  # the checkpoint config's eos_token_ids decide
 
     def encode(self, text: str) -> list[int]:
