@@ -55,17 +55,31 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _sync_folder(path.parent)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
         try:
             tmp.unlink(missing_ok=True)
         except OSError:  # the folder itself is gone or is not a folder: nothing was left there
             pass
         raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def remove(path: Path) -> None:
+    """Delete a capsule file for good: the folder is synced too, or a power loss could
+    bring a dropped capsule back. Raises OSError if the file cannot be deleted."""
+    path.unlink(missing_ok=True)
+    try:
+        _sync_folder(path.parent)
+    except OSError:   # the file is gone from the folder as this system sees it; nothing to undo
+        pass
+
+
+def _sync_folder(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def stale_temp_files(folder: Path) -> list[Path]:

@@ -272,7 +272,7 @@ class CapsuleStore:
             if record.path is not None:
                 # The file first: one left behind would bring the capsule back at the next start.
                 try:
-                    record.path.unlink(missing_ok=True)
+                    diskformat.remove(record.path)
                 except OSError as exc:
                     raise CapsuleIOError(f"cannot drop capsule {record.info.id}: {exc.strerror or exc}") from None
             self._remove(record)
