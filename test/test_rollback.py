@@ -53,16 +53,24 @@ def test_rollback_after_restore_reaches_back_to_the_capsule(tiny_engine):
     assert tiny_engine.state_digest() == tiny_engine.capsules.get(capsule.id).digest
 
 
-@pytest.mark.parametrize("kept", [True, False])
-def test_rollback_older_than_the_ring_starts_from_a_capsule_the_run_passed_when_one_is_kept(kept):
-    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, rollback_depth=2)
+@pytest.mark.parametrize("case", ["kept", "dropped", "file gone", "file flipped"])
+def test_rollback_older_than_the_ring_starts_from_a_capsule_the_run_passed_when_one_is_kept(case, tmp_path):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, rollback_depth=2, capsule_dir=tmp_path)
     engine.prefill(PROMPT)
     engine.generate(4)
-    capsule = engine.snapshot()
+    capsule = engine.snapshot(tier="disk" if case.startswith("file") else "device")
     engine.generate(12)
     reference = engine.state_digest()
-    if not kept:
+    kept = case == "kept"
+    if case == "dropped":
         engine.capsules.drop(capsule.id)
+    elif case == "file gone":   # still listed, no longer readable: the replay starts from empty
+        next(tmp_path.glob("*.capsule")).unlink()
+    elif case == "file flipped":
+        path = next(tmp_path.glob("*.capsule"))
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
     cold = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
     cold.prefill(PROMPT)
     cold.generate(9)

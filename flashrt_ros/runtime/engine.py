@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
-from ..capsule.errors import CorruptCapsule
+from ..capsule.errors import CapsuleError, CorruptCapsule
 from ..errors import FlashRTError, InvalidArgument, Preempted, shown
 from . import weights as weights_io
 from .arena import GROUPS, StateArena
@@ -530,13 +530,21 @@ class Engine:
         back = self._ring.newest_at_or_before(target)
         origin = None if back is not None else self._passed_capsule(target)
         self._rollback_origin = ""
+        if origin is not None:
+            # Older than the ring, but the run passed this capsule's boundary on the way: a nearer
+            # start than the empty state. Its rows are the live ones, so only its fixed block is copied.
+            # A disk capsule that can no longer be read is only a lost shortcut: write_back fails
+            # before it touches the arena, and the replay starts from the empty state instead.
+            try:
+                fixed, owner = self.capsules.write_back(origin, self.arena.buffer, keep_rows=origin.info.position)
+            except CapsuleError as exc:
+                log.warning("rollback: capsule %s unreadable (%s); replaying from the empty state",
+                            origin.info.id, exc)
+                origin = None
         if back is not None:
             self._go_back(back)
         elif origin is not None:
-            # Older than the ring, but the run passed this capsule's boundary on the way: a nearer
-            # start than the empty state. Its rows are the live ones, so only its fixed block is copied.
             at = origin.info.position
-            fixed, owner = self.capsules.write_back(origin, self.arena.buffer, keep_rows=at)
             self._position, self._log, self._base = at, BoundaryLog(origin.log), (origin, at)
             self._ring.clear()
             self._ring.borrow(fixed, at, owner)
