@@ -134,6 +134,46 @@ def test_a_digest_listener_may_call_back_into_the_store_on_either_thread():
     assert seen[0][2] == "capsule-digest" and seen[1][2] == threading.current_thread().name
 
 
+def test_a_listener_that_drops_a_capsule_on_its_digest_event_while_it_is_spilled_loses_nothing(tmp_path):
+    """Spilling "first" to make room for "second" finishes its digest in this thread, and the
+    announcement lets a listener drop it: the spill must notice, not move a dropped capsule."""
+    engine, events = _engine(tmp_path, spill=True, capsules=1)
+    # No digest thread: else the step before "second" wakes it, it hashes "first" itself, and
+    # the spill only waits for it. Now the spill finishes the digest and announces it.
+    engine.capsules.digests.close()
+    first = {}
+    engine.capsules.subscribe(lambda kind, info: engine.capsules.drop(info.id)
+                              if kind == "digest" and info.id == first.get("id") else None)
+    first["id"] = _fresh_snapshot(engine, "first").id
+    second = _fresh_snapshot(engine, "second")
+    assert [(c.name, c.tier) for c in engine.capsules.list()] == [("second", "device")]
+    assert ("drop", first["id"], "device") in events
+    assert not any(kind in ("spill", "evict") and cid == first["id"] for kind, cid, _ in events)
+    engine.reset()
+    engine.restore(second.id, verify=True)
+
+
+def test_no_digest_event_follows_the_drop_of_its_capsule():
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    events, lock = [], threading.Lock()
+
+    def record(kind, info):
+        with lock:
+            events.append((kind, info.id))
+
+    engine.capsules.subscribe(record)
+    engine.prefill(list(range(1, 20)))
+    for _ in range(60):   # the digest thread hashes while this one drops: a race, run many times
+        capsule = engine.snapshot()
+        engine.prefill([5])   # wakes the digest thread
+        engine.capsules.drop(capsule.id)
+    engine.capsules.get(engine.snapshot().id)   # the queue is drained past every dropped capsule
+    with lock:
+        dropped_at = {cid: i for i, (kind, cid) in enumerate(events) if kind == "drop"}
+        late = [cid for i, (kind, cid) in enumerate(events) if kind == "digest" and i > dropped_at.get(cid, i)]
+    assert len(dropped_at) == 60 and late == []
+
+
 def test_a_fork_of_a_hashed_capsule_takes_its_digest_and_one_of_a_pending_capsule_is_hashed(tmp_path):
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128, capsule_dir=tmp_path)
     events = []

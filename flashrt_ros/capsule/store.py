@@ -275,7 +275,7 @@ class CapsuleStore:
                     diskformat.remove(record.path)
                 except OSError as exc:
                     raise CapsuleIOError(f"cannot drop capsule {record.info.id}: {exc.strerror or exc}") from None
-            self._remove(record)
+            self._remove(record, unlink=False)
         self._emit("drop", record.info)
         return record.info
 
@@ -462,8 +462,9 @@ class CapsuleStore:
 
     def _announce_digest(self, record: Record) -> None:
         """After the digest job is over: not for a capsule dropped before its hash was done."""
-        if record.info.digest and record.info.id in self._records:
-            self._emit("digest", record.info)
+        with self._lock:   # else a drop could slip in between the check and the event
+            if record.info.digest and self.keeps(record):
+                self._emit("digest", record.info)
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
         covering = record.pieces_in(start, end) if pieces is None else _slice(pieces, start, end)
@@ -565,11 +566,15 @@ class CapsuleStore:
         A capsule the tier below cannot take (pinned capsules fill it, or its budget is 0)
         is dropped too, as from the last tier: the room was promised by _victims, and a
         request must not fail half-way with some capsules moved."""
+        if not self.keeps(record):   # a listener of an earlier victim's events dropped it
+            return
         lower = _LOWER[record.info.tier]
         if lower is None or (lower == "disk" and self.dir is None):
             self._evict(record)
             return
         self.digests.finish(record)  # the digest first, and the job's hold on the old tier ends now
+        if not self.keeps(record):   # its digest event's listener dropped it: nothing left to move
+            return
         for p in record.pieces:
             p.chunk.wait()
         data = torch.cat([p.view().cpu() for p in record.pieces]) if record.pieces else None
@@ -599,7 +604,7 @@ class CapsuleStore:
         self._remove(record)
         self._emit("evict", record.info)
 
-    def _remove(self, record: Record) -> None:
+    def _remove(self, record: Record, unlink: bool = True) -> None:
         del self._records[record.info.id]
         self.digests.settle(record)
         self._release(record.pieces)
@@ -607,7 +612,8 @@ class CapsuleStore:
         if record.path is not None:
             self._used["disk"] -= record.info.nbytes
             try:
-                record.path.unlink(missing_ok=True)
+                if unlink:
+                    diskformat.remove(record.path)
             except OSError as exc:   # an eviction goes on: the room is counted, the file may come back
                 log.warning("capsule %s evicted, but its file stays: %s", record.info.id, exc.strerror or exc)
 
