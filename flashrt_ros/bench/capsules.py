@@ -88,8 +88,9 @@ def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]
         print(f"  {nbytes / 2**20:8.2f} MiB (pos {position:5d}): copy {t['copy'] * 1e3:7.3f} ms   "
               f"snapshot x{rows[-1]['snapshot_ratio']:.2f}   restore x{rows[-1]['restore_ratio']:.2f}   "
               f"return x{rows[-1]['return_ratio']:.2f}   least x{rows[-1]['least_ratio']:.2f}")
-    print(f"  least: the views of the state's {len(ranges)} ranges and one batched copy of them, with no "
-          f"bookkeeping at all: what any snapshot from Python costs at the least")
+    if rows:
+        print(f"  least: the views of the state's {len(ranges)} ranges and one batched copy of them, with no "
+              f"bookkeeping at all: what any snapshot from Python costs at the least")
     return rows
 
 

@@ -16,6 +16,8 @@ speed-up divided by the share of this engine's prefill spent in matrix products
 (the profiler's own time of mm, bmm, addmm, baddbmm over the wall time of the
 same prefill), i.e. transformers' time over our products alone. Both engines do
 the same products with the same BLAS, so no other change can go past it.
+The profiler's own bookkeeping lengthens the wall time it divides by, so the
+printed ceiling is a little high: a bound still, if a loose one.
 """
 from __future__ import annotations
 
