@@ -3,10 +3,15 @@
 Runs the "attempt with rollback" tree against a node that journals into a
 temporary folder, then moves the bag to data/bags/attempt_with_rollback (installed
 to share/flashrt_ros/data: make demo replays its policy steps).
+
+On x86 it records at torch's AVX2 kernels, which every x86 machine the tests run
+on has: flashrt-replay re-executes itself at the recorded kernels, and it can
+step an AVX-512 machine down to AVX2, never an AVX2 machine up.
 """
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -15,6 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "OFF")
+if platform.machine().lower() in ("x86_64", "amd64"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")   # before anything imports torch
 
 
 def record(folder: Path, trees=("attempt-with-rollback",)) -> Path:

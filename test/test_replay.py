@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,13 @@ from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "bags" / "attempt_with_rollback"
 REPLAY = ROOT / "install" / "flashrt_ros" / "lib" / "flashrt_ros" / "flashrt-replay"
+
+
+def _replay_process(*args: str) -> subprocess.CompletedProcess:
+    """flashrt-replay in a process of its own: bags made from the committed one need its
+    recorded CPU kernels, and only a new process can be started at them."""
+    return subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def _tampered(bag: Path, out: Path, kind: str = "step") -> int:
@@ -58,6 +66,8 @@ def test_the_committed_bag_replays_with_the_installed_command(tmp_path):
     # The whole attempt-with-rollback scenario, the plan's 8 tokens included.
     kinds = [e.kind for e in read_bag(COMMITTED).entries]
     assert kinds.count("decode") == 8 and {"prefill", "step", "snapshot", "rollback", "drop"} <= set(kinds)
+    # Recorded at the kernels of every x86 machine: an AVX-512 one replays it by stepping down.
+    assert read_bag(COMMITTED).session["aten_cpu_capability"] == "AVX2"
     if not REPLAY.exists():
         pytest.skip("needs the colcon install space (make test builds it)")
     ok = subprocess.run([str(REPLAY), str(COMMITTED)], capture_output=True, text=True, timeout=120)
@@ -171,7 +181,8 @@ def test_a_bag_with_a_malformed_entry_exits_2(tmp_path):
     drop = next(e for e in journal.entries if e.kind == "drop")
     drop.request.clear()   # no capsule_id
     write_bag(tmp_path / "malformed", journal)
-    assert replay_main([str(tmp_path / "malformed")]) == 2
+    done = _replay_process(str(tmp_path / "malformed"))
+    assert done.returncode == 2 and "malformed entry" in done.stderr, done.stdout + done.stderr
 
 
 def test_a_session_that_restores_a_capsule_found_on_disk_at_start_replays(ros_context, tmp_path):
@@ -220,15 +231,13 @@ def test_damaged_bags_and_impossible_sessions_exit_2_with_a_reason(tmp_path, cap
 
 
 @pytest.mark.parametrize("kind, key", [("decode", "token"), ("snapshot", "state_digest"), ("step", "position")])
-def test_an_entry_without_the_outputs_it_must_have_recorded_is_refused_not_called_identical(tmp_path, kind, key,
-                                                                                             capsys):
+def test_an_entry_without_the_outputs_it_must_have_recorded_is_refused_not_called_identical(tmp_path, kind, key):
     journal = read_bag(COMMITTED)
     entry = next(e for e in journal.entries if e.kind == kind)
     del entry.outcome[key]
     write_bag(tmp_path / "gutted", journal)
-    assert replay_main([str(tmp_path / "gutted")]) == 2
-    err = capsys.readouterr().err
-    assert f"seq={entry.seq} ({kind}) records no {key}" in err, err
+    done = _replay_process(str(tmp_path / "gutted"))
+    assert done.returncode == 2 and f"seq={entry.seq} ({kind}) records no {key}" in done.stderr, done.stderr
 
 
 def test_a_bag_whose_wall_clock_stepped_back_replays_in_the_order_of_its_entries(tmp_path, monkeypatch):
@@ -239,4 +248,4 @@ def test_a_bag_whose_wall_clock_stepped_back_replays_in_the_order_of_its_entries
     write_bag(tmp_path / "backwards", read_bag(COMMITTED))
     monkeypatch.undo()
     assert [e.seq for e in read_bag(tmp_path / "backwards").entries] == list(range(len(read_bag(COMMITTED).entries)))
-    assert replay_main([str(tmp_path / "backwards")]) == 0
+    assert _replay_process(str(tmp_path / "backwards")).returncode == 0

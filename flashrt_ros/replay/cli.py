@@ -3,10 +3,16 @@
 Exit status: 0 when every output is identical (tokens, action bytes, positions,
 error codes, state digests after capsule calls); 1 at the first mismatch,
 which is named; 2 when the bag cannot be read as a flashrt journal.
+
+Run as a program on x86, it re-executes itself once under the vector kernels
+the session was recorded with (ATEN_CPU_CAPABILITY, which torch reads only
+when a process starts), unless that variable is set already.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 
 import torch
@@ -15,6 +21,10 @@ from ..errors import FlashRTError
 from .bag import ENTRY_TOPIC, read_bag
 from .journal import ReplayMismatch, replay
 from .session import engine_for
+
+CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
+# The x86 levels torch can be asked to step down to; it never goes past what the CPU has.
+X86_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         journal = read_bag(args.bag)
+        if argv is None:
+            _rerun_at_recorded_kernels(journal.session)
         threads = journal.session.get("torch_threads")
         if threads is not None:   # see session_of: the split of elementwise work must be the recorded one
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -44,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         digest = engine.state_digest()
     except ReplayMismatch as exc:
         print(f"MISMATCH in {ENTRY_TOPIC}, {exc}", file=sys.stderr)
-        print(f"(recorded with torch {session.get('torch', 'unknown')}, replayed with {torch.__version__}: "
-              "replay is byte-exact on the same torch and flashrt_ros build only)", file=sys.stderr)
+        print(f"(recorded with torch {session.get('torch', 'unknown')} on "
+              f"{session.get('aten_cpu_capability', 'unrecorded')} kernels, replayed with {torch.__version__} on "
+              f"{torch.backends.cpu.get_cpu_capability()}: replay is byte-exact on the same torch, CPU kernels "
+              "and flashrt_ros build only)", file=sys.stderr)
         return 1
     except (KeyError, TypeError, ValueError, AttributeError) as exc:   # an entry missing what its kind needs
         print(f"flashrt-replay: cannot replay {args.bag}: malformed entry ({type(exc).__name__}: {exc})",
@@ -62,6 +76,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{report.failures_reproduced} refusals with the same error codes")
     print(f"final state digest {digest}")
     return 0
+
+
+def _rerun_at_recorded_kernels(session: dict) -> None:
+    """Replace this process by itself under the recorded kernels, when they differ from ours
+    and this machine can run them (an AVX-512 machine runs a bag recorded at AVX2)."""
+    wanted = session.get("aten_cpu_capability")
+    if (wanted not in X86_CAPABILITIES or wanted == torch.backends.cpu.get_cpu_capability()
+            or CAPABILITY_ENV in os.environ or platform.machine().lower() not in ("x86_64", "amd64")):
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, CAPABILITY_ENV: wanted.lower()})
 
 
 if __name__ == "__main__":

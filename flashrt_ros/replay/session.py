@@ -32,6 +32,10 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # softplus) over its threads, and the last few elements of each share take
             # a scalar path that can round differently (prefill only; decode rows are small).
             "torch_threads": torch.get_num_threads(),
+            # And on the same vector kernels: torch picks its elementwise kernels by CPU
+            # (AVX2 or AVX-512 on x86) and the two round differently (the committed bag,
+            # recorded at AVX2, mismatched on an AVX-512 machine at its first snapshot).
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
             # Disk capsules found in capsule_dir at start: the session may restore them.
