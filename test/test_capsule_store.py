@@ -135,8 +135,8 @@ def test_a_digest_listener_may_call_back_into_the_store_on_either_thread():
 
 
 def test_a_listener_that_drops_a_capsule_on_its_digest_event_while_it_is_spilled_loses_nothing(tmp_path):
-    """Spilling "first" to make room for "second" finishes its digest in this thread, and the
-    announcement lets a listener drop it: the spill must notice, not move a dropped capsule."""
+    """Spilling "first" to make room for "second" finishes its digest in this thread. The
+    event waits for the spill to end, so the listener drops a capsule that is whole on host."""
     engine, events = _engine(tmp_path, spill=True, capsules=1)
     # No digest thread: else the step before "second" wakes it, it hashes "first" itself, and
     # the spill only waits for it. Now the spill finishes the digest and announces it.
@@ -147,10 +147,37 @@ def test_a_listener_that_drops_a_capsule_on_its_digest_event_while_it_is_spilled
     first["id"] = _fresh_snapshot(engine, "first").id
     second = _fresh_snapshot(engine, "second")
     assert [(c.name, c.tier) for c in engine.capsules.list()] == [("second", "device")]
-    assert ("drop", first["id"], "device") in events
-    assert not any(kind in ("spill", "evict") and cid == first["id"] for kind, cid, _ in events)
+    kinds = [(kind, tier) for kind, cid, tier in events if cid == first["id"]]
+    assert kinds == [("snapshot", "device"), ("digest", "device"), ("spill", "host"), ("drop", "host")]
+    assert engine.capsules.used_bytes("host") == 0
     engine.reset()
     engine.restore(second.id, verify=True)
+
+
+def test_a_listener_that_drops_a_capsule_while_a_spill_moves_it_frees_nothing_twice(tmp_path):
+    """B moves to host, which first pushes A to disk; A's spill event makes a listener drop B.
+    Delivered mid-move, that drop released B's device chunk twice: the fork F that shares it
+    lost its bytes to the next snapshot."""
+    engine, events = _engine(tmp_path, spill=True, capsules=1)
+    store, ids = engine.capsules, {}
+    store.subscribe(lambda kind, info: store.drop(ids["b"])
+                    if kind == "spill" and info.id == ids.get("a") and info.tier == "disk" and "b" in ids
+                    else None)
+    ids["a"] = store.get(_fresh_snapshot(engine, "a").id).id          # device, then host
+    ids["b"] = store.get(_fresh_snapshot(engine, "b").id).id          # device; a to host
+    fork = engine.fork(ids["b"], "f")
+    store.resolve("f").last_used = float("inf")                     # b is the one to spill next
+    engine.reset()
+    engine.prefill([(t * 7 + 3) % 100 for t in range(50)])
+    c = engine.snapshot("c")                                        # b down the tiers, f to host
+    assert ids["b"] not in [c.id for c in store.list()]
+    order = [(kind, cid) for kind, cid, _ in events]
+    assert order.index(("drop", ids["b"])) > order.index(("snapshot", c.id))   # after the whole move
+    assert store.used_bytes("host") == sum(c.nbytes for c in store.list("host"))
+    assert store.used_bytes("disk") == sum(c.nbytes for c in store.list("disk"))
+    store.verify(store.resolve(fork.id))                            # its bytes are its own still
+    engine.reset()
+    engine.restore(fork.id, verify=True)
 
 
 def test_no_digest_event_follows_the_drop_of_its_capsule():

@@ -13,6 +13,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import deque
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -154,6 +155,31 @@ class RestorePlan:
                 dst.copy_(src, non_blocking=True)
 
 
+class _Held:
+    """The store's lock; the events raised while it is held wait for the outermost hold to
+    end. A listener may call back into the store (drop a capsule on its spill event), and it
+    must find every operation whole, never a capsule half-way down a tier."""
+
+    def __init__(self, lock: AbstractContextManager, deliver: Callable[[str, CapsuleInfo], None]) -> None:
+        self._lock, self._deliver = lock, deliver
+        self.depth = 0                    # changed only by the thread holding ``lock``
+        self.events: deque[tuple[str, CapsuleInfo]] = deque()
+
+    def __enter__(self) -> "_Held":
+        self._lock.__enter__()
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.depth == 1:   # a listener's own calls queue behind: delivered in order, here
+                while self.events:
+                    self._deliver(*self.events.popleft())
+        finally:
+            self.depth -= 1
+            self._lock.__exit__(None, None, None)
+
+
 def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
     """Sub-pieces covering arena bytes [start, end) (possibly none)."""
     out = []
@@ -207,6 +233,7 @@ class CapsuleStore:
         # the digest thread's releases (which may touch the engine's rollback ring)
         # wait for the current step instead of racing it.
         self._lock = lock or threading.RLock()
+        self._held = _Held(self._lock, self._deliver)
         self._listeners: list[Callable[[str, CapsuleInfo], None]] = [on_event] if on_event else []
         self.before_free: list[Callable[[Chunk], None]] = []
         self._pin_host = device.type == "cuda"
@@ -231,13 +258,13 @@ class CapsuleStore:
         """Every capsule, or those of one tier (None or "" lists all)."""
         if tier not in (None, ""):
             check_tier(tier)
-        with self._lock:
+        with self._held:
             return [r.info for r in self._records.values() if tier in (None, "", r.info.tier)]
 
     def get(self, ref: str | CapsuleInfo, wait: bool = True) -> CapsuleInfo:
         """The capsule's info; with ``wait`` its digest is filled in first (computed here if
         the digest thread has not reached it)."""
-        with self._lock:  # one hold: a drop in between would leave a cancelled job's empty digest
+        with self._held:  # one hold: a drop in between would leave a cancelled job's empty digest
             record = self.resolve(ref)
             if wait:
                 self.digests.finish(record)
@@ -253,7 +280,7 @@ class CapsuleStore:
         key = ref.id if isinstance(ref, CapsuleInfo) else ref
         if not isinstance(key, str) or not key:
             raise InvalidCapsuleRequest(f"a capsule is named by a non-empty id or name, got {shown(key)}")
-        with self._lock:
+        with self._held:
             record = self._records.get(key)
             if record is None:
                 record = next((r for r in self._records.values() if r.info.name == key), None)
@@ -263,11 +290,11 @@ class CapsuleStore:
 
     def keeps(self, record: Record) -> bool:
         """Whether ``record`` is still in the store (not dropped or evicted)."""
-        with self._lock:
+        with self._held:
             return self._records.get(record.info.id) is record
 
     def drop(self, ref: str | CapsuleInfo) -> CapsuleInfo:
-        with self._lock:
+        with self._held:
             record = self.resolve(ref)
             if record.path is not None:
                 # The file first: one left behind would bring the capsule back at the next start.
@@ -276,7 +303,7 @@ class CapsuleStore:
                 except OSError as exc:
                     raise CapsuleIOError(f"cannot drop capsule {record.info.id}: {exc.strerror or exc}") from None
             self._remove(record, unlink=False)
-        self._emit("drop", record.info)
+            self._emit("drop", record.info)
         return record.info
 
     # ---- capture ---------------------------------------------------------------------------------
@@ -289,7 +316,7 @@ class CapsuleStore:
         """
         name = check_name(name)
         check_tier(tier)
-        with self._lock:
+        with self._held:
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             if tier == "disk":
@@ -323,14 +350,14 @@ class CapsuleStore:
             if shared:
                 pieces = sorted(shared + pieces, key=lambda p: p.start)
             record = self._register(pieces, position, name, tier, pin, parent, need, log_runs)
-        self._emit("snapshot", record.info)
+            self._emit("snapshot", record.info)
         return record
 
     def fork(self, source: Record, name: str | None) -> Record:
         """A new capsule with the same bytes as ``source``: metadata only, every chunk shared.
         Same bytes, same digest: one the source has already is taken over, not hashed again."""
         name = check_name(name)
-        with self._lock:
+        with self._held:
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             source.last_used = time.monotonic()   # in use: the room the fork needs must not cost it
@@ -344,7 +371,7 @@ class CapsuleStore:
             known = (source.info.digest, source.info.history_hash) if _digest_final(source) else None
             record = self._register(pieces, source.info.position, name, tier, False, source.info.id, nbytes,
                                     source.log, known=known)
-        self._emit("fork", record.info)
+            self._emit("fork", record.info)
         return record
 
     # ---- restore ---------------------------------------------------------------------------------
@@ -352,7 +379,7 @@ class CapsuleStore:
         """How many of the first ``rows`` per-token rows ``record`` keeps in the very bytes
         ``other`` keeps them in: a fork shares them all, and a snapshot that extended
         ``other`` shares its prefix. Chunks are immutable, so equal bytes follow."""
-        with self._lock:
+        with self._held:
             for offset, row_bytes in self.layout.rows:
                 if rows:
                     same = _same_bytes_until(record.pieces, other.pieces, offset, offset + rows * row_bytes)
@@ -373,7 +400,7 @@ class CapsuleStore:
 
     def verify(self, record: Record) -> None:
         """Re-hash the capsule's stored bytes; CorruptCapsule if they no longer match its digest."""
-        with self._lock:  # held throughout: a drop meanwhile would free, and a snapshot reuse, the bytes
+        with self._held:  # held throughout: a drop meanwhile would free, and a snapshot reuse, the bytes
             self.digests.finish(record)
             if record.info.tier == "disk":
                 self._read_disk(record)  # verifies on read
@@ -396,7 +423,7 @@ class CapsuleStore:
         to nobody), so rollback can start from it without a copy; a
         ``before_free`` hook hears about the chunk before its memory is reused.
         """
-        with self._lock:
+        with self._held:
             if groups is None and record.info.tier != "disk":
                 plan = record.restore_plan(buffer, self.layout, keep_rows)
             else:  # one-off plans: a disk capsule's bytes are read afresh, a group restore is an ablation
@@ -446,7 +473,7 @@ class CapsuleStore:
         """Stop the digest thread once its queue is done and forget every capsule held in
         memory (disk files stay). The store is unusable afterwards."""
         self.digests.close()  # the caller must not hold the lock: the worker takes it to release
-        with self._lock:
+        with self._held:
             for record in list(self._records.values()):
                 self._release(record.pieces)
                 record.pieces = []
@@ -462,7 +489,7 @@ class CapsuleStore:
 
     def _announce_digest(self, record: Record) -> None:
         """After the digest job is over: not for a capsule dropped before its hash was done."""
-        with self._lock:   # else a drop could slip in between the check and the event
+        with self._held:   # else a drop could slip in between the check and the event
             if record.info.digest and self.keeps(record):
                 self._emit("digest", record.info)
 
@@ -566,15 +593,11 @@ class CapsuleStore:
         A capsule the tier below cannot take (pinned capsules fill it, or its budget is 0)
         is dropped too, as from the last tier: the room was promised by _victims, and a
         request must not fail half-way with some capsules moved."""
-        if not self.keeps(record):   # a listener of an earlier victim's events dropped it
-            return
         lower = _LOWER[record.info.tier]
         if lower is None or (lower == "disk" and self.dir is None):
             self._evict(record)
             return
         self.digests.finish(record)  # the digest first, and the job's hold on the old tier ends now
-        if not self.keeps(record):   # its digest event's listener dropped it: nothing left to move
-            return
         for p in record.pieces:
             p.chunk.wait()
         data = torch.cat([p.view().cpu() for p in record.pieces]) if record.pieces else None
@@ -618,6 +641,10 @@ class CapsuleStore:
                 log.warning("capsule %s evicted, but its file stays: %s", record.info.id, exc.strerror or exc)
 
     def _emit(self, kind: str, info: CapsuleInfo) -> None:
+        """Called with the lock held: the event goes out when the outermost hold ends."""
+        self._held.events.append((kind, info))
+
+    def _deliver(self, kind: str, info: CapsuleInfo) -> None:
         for listener in list(self._listeners):
             try:
                 listener(kind, info)
@@ -660,7 +687,10 @@ class CapsuleStore:
             # (a full disk) must not have cost them.
             self._make_room("disk", data.numel())
         except BaseException:
-            path.unlink(missing_ok=True)
+            try:
+                diskformat.remove(path)
+            except OSError as exc:   # the refusal stands; the file may come back at the next start
+                log.warning("capsule file %s left behind after a refused write: %s", path.name, exc.strerror or exc)
             raise
         self._used["disk"] += data.numel()
         return path
