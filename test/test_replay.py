@@ -23,7 +23,7 @@ def _replay_process(*args: str) -> subprocess.CompletedProcess:
     """flashrt-replay in a process of its own: bags made from the committed one need its
     recorded CPU kernels, and only a new process can be started at them."""
     return subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=Path(args[0]).parent)   # not the source tree: the installed package
 
 
 def _tampered(bag: Path, out: Path, kind: str = "step") -> int:
@@ -225,7 +225,10 @@ def test_damaged_bags_and_impossible_sessions_exit_2_with_a_reason(tmp_path, cap
     journal = read_bag(COMMITTED)
     journal.session["torch_threads"] = -1
     write_bag(tmp_path / "threads", journal)
-    for bag in (truncated, garbled, tmp_path / "threads"):
+    journal = read_bag(COMMITTED)
+    journal.session["aten_cpu_capability"] = ["AVX2"]
+    write_bag(tmp_path / "kernels", journal)
+    for bag in (truncated, garbled, tmp_path / "threads", tmp_path / "kernels"):
         assert replay_main([str(bag)]) == 2
         assert "cannot replay" in capsys.readouterr().err
 
@@ -249,3 +252,26 @@ def test_a_bag_whose_wall_clock_stepped_back_replays_in_the_order_of_its_entries
     monkeypatch.undo()
     assert [e.seq for e in read_bag(tmp_path / "backwards").entries] == list(range(len(read_bag(COMMITTED).entries)))
     assert _replay_process(str(tmp_path / "backwards")).returncode == 0
+
+
+@pytest.mark.parametrize("recorded, here, restarts", [
+    ("AVX2", "AVX512", True), ("DEFAULT", "AVX2", True),
+    ("AVX512", "AVX2", False),   # torch would take the variable on trust and crash on the missing kernels
+    ("AVX2", "AVX2", False), ("SVE256", "AVX2", False), (None, "AVX512", False)])
+def test_the_command_restarts_only_to_step_down_to_the_recorded_kernels(monkeypatch, recorded, here, restarts):
+    import os
+    import platform
+
+    from flashrt_ros.replay import cli
+
+    if os.name != "posix" or platform.machine() != "x86_64":
+        pytest.skip("the restart is for x86 only")
+    calls = []
+    monkeypatch.delenv(cli.CAPABILITY_ENV, raising=False)
+    monkeypatch.setattr(cli.torch.backends.cpu, "get_cpu_capability", lambda: here)
+    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: calls.append(env[cli.CAPABILITY_ENV]))
+    cli._rerun_at(recorded)
+    assert calls == ([recorded.lower()] if restarts else [])
+    monkeypatch.setenv(cli.CAPABILITY_ENV, "avx2")   # set already (the restarted process): never again
+    cli._rerun_at(recorded)
+    assert len(calls) == int(restarts)

@@ -6,7 +6,9 @@ which is named; 2 when the bag cannot be read as a flashrt journal.
 
 Run as a program on x86, it re-executes itself once under the vector kernels
 the session was recorded with (ATEN_CPU_CAPABILITY, which torch reads only
-when a process starts), unless that variable is set already.
+when a process starts), unless that variable is set already. It only ever
+steps down (AVX-512 to AVX2): torch does not check the variable against the
+CPU, and kernels the CPU lacks would crash it.
 """
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ from .journal import ReplayMismatch, replay
 from .session import engine_for
 
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
-# The x86 levels torch can be asked to step down to; it never goes past what the CPU has.
+# torch's x86 kernel levels, lowest first.
 X86_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, rerun: bool = False) -> int:
+    """``rerun``: allowed to re-execute this process at the recorded kernels. Only the
+    command itself passes it: a re-exec restarts whatever program the process runs."""
     parser = argparse.ArgumentParser(prog="flashrt-replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bag", help="rosbag2 folder (MCAP) written by flashrt_node's journal_path")
@@ -37,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         journal = read_bag(args.bag)
-        if argv is None:
-            _rerun_at_recorded_kernels(journal.session)
+        capability = journal.session.get("aten_cpu_capability")
+        if capability is not None and not isinstance(capability, str):
+            raise ValueError(f"the session records aten_cpu_capability={capability!r}, not a name")
+        if rerun:
+            _rerun_at(capability)
         threads = journal.session.get("torch_threads")
         if threads is not None:   # see session_of: the split of elementwise work must be the recorded one
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -78,16 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _rerun_at_recorded_kernels(session: dict) -> None:
-    """Replace this process by itself under the recorded kernels, when they differ from ours
-    and this machine can run them (an AVX-512 machine runs a bag recorded at AVX2)."""
-    wanted = session.get("aten_cpu_capability")
-    if (wanted not in X86_CAPABILITIES or wanted == torch.backends.cpu.get_cpu_capability()
-            or CAPABILITY_ENV in os.environ or platform.machine().lower() not in ("x86_64", "amd64")):
+def _rerun_at(wanted: str | None) -> None:
+    """Replace this process by itself at the recorded kernel level, when that is below ours."""
+    current = torch.backends.cpu.get_cpu_capability()
+    if (os.name != "posix" or platform.machine() != "x86_64" or CAPABILITY_ENV in os.environ
+            or wanted not in X86_CAPABILITIES or current not in X86_CAPABILITIES
+            or X86_CAPABILITIES.index(wanted) >= X86_CAPABILITIES.index(current)):
         return
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, CAPABILITY_ENV: wanted.lower()})
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+                  {**os.environ, CAPABILITY_ENV: wanted.lower()})
+    except OSError as exc:   # replay here all the same: a mismatch will name both levels
+        print(f"flashrt-replay: cannot restart at {wanted} kernels ({exc}); replaying at {current}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(rerun=True))
