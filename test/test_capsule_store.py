@@ -180,6 +180,24 @@ def test_a_listener_that_drops_a_capsule_while_a_spill_moves_it_frees_nothing_tw
     engine.restore(fork.id, verify=True)
 
 
+def test_a_listener_interrupted_by_ctrl_c_does_not_keep_the_other_events_back(tmp_path):
+    engine, events = _engine(tmp_path, spill=True, capsules=1)
+    interrupted = []
+
+    def listener(kind, info):
+        if kind == "spill" and not interrupted:
+            interrupted.append(info.id)
+            raise KeyboardInterrupt
+
+    engine.capsules.subscribe(listener)
+    _fresh_snapshot(engine, "first")
+    with pytest.raises(KeyboardInterrupt):
+        _fresh_snapshot(engine, "second")   # spills "first": the listener raises on its event
+    # Before any other store call (its end would send what was left over):
+    assert not engine.capsules._held.events and interrupted
+    assert events[-1][0] == "snapshot" and events[-1][1] == engine.capsules.get("second").id
+
+
 def test_no_digest_event_follows_the_drop_of_its_capsule():
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
     events, lock = [], threading.Lock()

@@ -171,13 +171,19 @@ class _Held:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        stopped: BaseException | None = None
         try:
             if self.depth == 1:   # a listener's own calls queue behind: delivered in order, here
                 while self.events:
-                    self._deliver(*self.events.popleft())
+                    try:
+                        self._deliver(*self.events.popleft())
+                    except BaseException as exc:   # a Ctrl-C in a listener: the others still hear theirs
+                        stopped = stopped or exc
         finally:
             self.depth -= 1
             self._lock.__exit__(None, None, None)
+        if stopped is not None:
+            raise stopped
 
 
 def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
@@ -642,6 +648,7 @@ class CapsuleStore:
 
     def _emit(self, kind: str, info: CapsuleInfo) -> None:
         """Called with the lock held: the event goes out when the outermost hold ends."""
+        assert self._held.depth > 0, "a capsule event raised outside the store's lock would wait for the next call"
         self._held.events.append((kind, info))
 
     def _deliver(self, kind: str, info: CapsuleInfo) -> None:
