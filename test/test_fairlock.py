@@ -85,3 +85,37 @@ def test_snapshot_mid_generation_waits_for_at_most_the_step_in_progress():
         stop.set()
         worker.join(10)
     assert max(lags) <= 2, lags  # the step in progress plus the read of `before` racing it
+
+
+def test_an_acquire_interrupted_while_queued_leaves_no_place_behind():
+    """Ctrl-C lands in the main thread while it waits its turn: its place in the queue must go
+    with it, or no thread ever gets the lock again."""
+    import signal
+
+    lock, held, go = FairRLock(), threading.Event(), threading.Event()
+
+    def owner():
+        with lock:
+            held.set()
+            go.wait()
+
+    threading.Thread(target=owner, daemon=True).start()
+    held.wait()
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    go.set()
+    got = []
+    other = threading.Thread(target=lambda: got.append(lock.acquire(timeout=5.0)))
+    other.start()
+    other.join()
+    assert got == [True]

@@ -38,16 +38,24 @@ class FairRLock:
                 return False
             self._queue.append(me)
             deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
-            while self._owner is not None or self._queue[0] != me:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    self._queue.remove(me)
-                    self._cond.notify_all()  # the thread behind us may now be first
-                    return False
-                self._cond.wait(left)
+            try:
+                while self._owner is not None or self._queue[0] != me:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        self._leave_queue(me)
+                        return False
+                    self._cond.wait(left)
+            except BaseException:   # a Ctrl-C in the wait: a place left in the queue would block all
+                self._leave_queue(me)
+                raise
             self._queue.popleft()
             self._owner, self._depth = me, 1
             return True
+
+    def _leave_queue(self, me: int) -> None:
+        """Called with ``_cond`` held."""
+        self._queue.remove(me)
+        self._cond.notify_all()  # the thread behind us may now be first
 
     def release(self) -> None:
         if self._owner != threading.get_ident():
