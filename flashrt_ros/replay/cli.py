@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
 def _rerun_at(wanted: str | None) -> None:
     """Replace this process by itself at the recorded kernel level, when that is below ours."""
     current = torch.backends.cpu.get_cpu_capability()
-    if (os.name != "posix" or platform.machine() != "x86_64" or CAPABILITY_ENV in os.environ
+    if (os.name != "posix" or platform.machine().lower() not in ("x86_64", "amd64") or CAPABILITY_ENV in os.environ
             or wanted not in X86_CAPABILITIES or current not in X86_CAPABILITIES
             or X86_CAPABILITIES.index(wanted) >= X86_CAPABILITIES.index(current)):
         return
