@@ -21,6 +21,7 @@ printed ceiling is a little high: a bound still, if a loose one.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from typing import Callable
@@ -52,6 +53,9 @@ def product_share(fn: Callable[[], object]) -> float:
     """The share of ``fn``'s wall time spent inside matrix-product kernels (profiler self time)."""
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto reads this at the profiler's first start; its default level prints a line at
+    # every start and stop into the benchmark's report.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         fn()
