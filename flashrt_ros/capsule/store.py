@@ -13,7 +13,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from . import diskformat
 from .digest_queue import FINISHED, SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
+from .held_events import HeldEvents
 from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier, is_capsule_id
 from .memory import Chunk, DevicePool, host_chunk
 
@@ -155,37 +155,6 @@ class RestorePlan:
                 dst.copy_(src, non_blocking=True)
 
 
-class _Held:
-    """The store's lock; the events raised while it is held wait for the outermost hold to
-    end. A listener may call back into the store (drop a capsule on its spill event), and it
-    must find every operation whole, never a capsule half-way down a tier."""
-
-    def __init__(self, lock: AbstractContextManager, deliver: Callable[[str, CapsuleInfo], None]) -> None:
-        self._lock, self._deliver = lock, deliver
-        self.depth = 0                    # changed only by the thread holding ``lock``
-        self.events: deque[tuple[str, CapsuleInfo]] = deque()
-
-    def __enter__(self) -> "_Held":
-        self._lock.__enter__()
-        self.depth += 1
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        stopped: BaseException | None = None
-        try:
-            if self.depth == 1:   # a listener's own calls queue behind: delivered in order, here
-                while self.events:
-                    try:
-                        self._deliver(*self.events.popleft())
-                    except BaseException as exc:   # a Ctrl-C in a listener: the others still hear theirs
-                        stopped = stopped or exc
-        finally:
-            self.depth -= 1
-            self._lock.__exit__(None, None, None)
-        if stopped is not None:
-            raise stopped
-
-
 def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
     """Sub-pieces covering arena bytes [start, end) (possibly none)."""
     out = []
@@ -239,7 +208,7 @@ class CapsuleStore:
         # the digest thread's releases (which may touch the engine's rollback ring)
         # wait for the current step instead of racing it.
         self._lock = lock or threading.RLock()
-        self._held = _Held(self._lock, self._deliver)
+        self._held = HeldEvents(self._lock, self._deliver)
         self._listeners: list[Callable[[str, CapsuleInfo], None]] = [on_event] if on_event else []
         self.before_free: list[Callable[[Chunk], None]] = []
         self._pin_host = device.type == "cuda"

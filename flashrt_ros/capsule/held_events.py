@@ -1,0 +1,39 @@
+"""The capsule store's lock, with the events raised under it delivered only as the outermost hold ends."""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import AbstractContextManager
+from typing import Callable
+
+from .info import CapsuleInfo
+
+
+class HeldEvents:
+    """``with held:`` in place of ``with lock:``. A listener may call back into the store (drop
+    a capsule on its spill event), and it must find every operation whole, never a capsule
+    half-way down a tier: so ``events`` fills while the lock is held and empties at the end."""
+
+    def __init__(self, lock: AbstractContextManager, deliver: Callable[[str, CapsuleInfo], None]) -> None:
+        self._lock, self._deliver = lock, deliver
+        self.depth = 0                    # changed only by the thread holding ``lock``
+        self.events: deque[tuple[str, CapsuleInfo]] = deque()
+
+    def __enter__(self) -> "HeldEvents":
+        self._lock.__enter__()
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stopped: BaseException | None = None
+        try:
+            if self.depth == 1:   # a listener's own calls queue behind: delivered in order, here
+                while self.events:
+                    try:
+                        self._deliver(*self.events.popleft())
+                    except BaseException as exc:   # a Ctrl-C in a listener: the others still hear theirs
+                        stopped = stopped or exc
+        finally:
+            self.depth -= 1
+            self._lock.__exit__(None, None, None)
+        if stopped is not None:
+            raise stopped
