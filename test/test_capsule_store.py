@@ -554,7 +554,7 @@ def test_a_resealed_file_that_describes_no_state_of_this_engine_is_skipped(tmp_p
     """Header and data digests can be recomputed by anyone: the loader also checks that the
     file describes a state this engine could have had."""
     from flashrt_ros.capsule import diskformat
-    from flashrt_ros.capsule.store import _range_reader
+    from flashrt_ros.capsule.disk_capsules import range_reader
     from flashrt_ros.digest import history_digest, state_digest
 
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, capsule_dir=tmp_path)
@@ -569,7 +569,7 @@ def test_a_resealed_file_that_describes_no_state_of_this_engine_is_skipped(tmp_p
     total = sum(e - s for s, e in ranges)
     data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     data[:fixed] = 0
-    read = _range_reader(ranges, data)
+    read = range_reader(ranges, data)
     if lie == "ranges":   # the same bytes, said to lie at other arena offsets
         ranges = [(0, total)]
     fake_id = "best" if lie == "id not an id" else "a" * 16

@@ -6,7 +6,8 @@ engine (``flashrt_ros.runtime.engine``) drives it at committed boundaries.
 from .errors import (BudgetExceeded, CapsuleError, CapsuleIOError, CorruptCapsule, FingerprintMismatch,
                      InvalidCapsuleRequest, UnknownCapsule)
 from .info import TIERS, CapsuleInfo
-from .store import CapsuleStore, Layout
+from .layout import Layout
+from .store import CapsuleStore
 
 __all__ = ["BudgetExceeded", "CapsuleError", "CapsuleIOError", "CapsuleInfo", "CapsuleStore", "CorruptCapsule",
            "FingerprintMismatch", "InvalidCapsuleRequest", "Layout", "TIERS", "UnknownCapsule"]

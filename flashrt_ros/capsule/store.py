@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -22,57 +22,18 @@ import torch
 
 from ..digest import history_digest, state_digest
 from ..errors import shown
-from . import diskformat
+from . import disk_capsules, diskformat
 from .digest_queue import FINISHED, SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
 from .held_events import HeldEvents
-from .info import TIERS, CapsuleInfo, RegionLike, check_name, check_tier, is_capsule_id
+from .info import TIERS, CapsuleInfo, check_name, check_tier
+from .layout import Layout
 from .memory import Chunk, DevicePool, host_chunk
 
 log = logging.getLogger(__name__)
 
 _LOWER = {"device": "host", "host": "disk", "disk": None}
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """What the store knows of the arena: regions and byte ranges, never layers."""
-
-    regions: tuple[RegionLike, ...]
-    fixed_bytes: int
-    fingerprint: str
-    table: tuple[dict, ...]
-    # (offset, row bytes) of each per-token region: computed once, read by every snapshot.
-    rows: tuple[tuple[int, int], ...] = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rows", tuple((r.offset, r.row_bytes) for r in self.regions if r.per_token))
-
-    @property
-    def max_position(self) -> int:
-        """The rows each per-token region has room for (the arena's max_seq_len)."""
-        return min((r.nbytes // r.row_bytes for r in self.regions if r.per_token), default=0)
-
-    def ranges(self, position: int, start_position: int = 0) -> list[tuple[int, int]]:
-        """The fixed block plus, for each per-token region, rows [start_position, position).
-
-        Ranges that touch are merged (the first per-token region starts where the
-        fixed block ends): each range is one copy on snapshot and restore.
-        """
-        out = [(0, self.fixed_bytes)]
-        if position > start_position:
-            for offset, row_bytes in self.rows:
-                start, end = offset + start_position * row_bytes, offset + position * row_bytes
-                if start == out[-1][1]:
-                    out[-1] = (out[-1][0], end)
-                else:
-                    out.append((start, end))
-        return out
-
-    def group_ranges(self, position: int, groups: Iterable[str]) -> list[tuple[int, int]]:
-        wanted = set(groups)
-        return [(r.offset, r.offset + r.live_bytes(position)) for r in self.regions if r.group in wanted]
 
 
 class Piece(NamedTuple):
@@ -642,7 +603,7 @@ class CapsuleStore:
             id=secrets.token_hex(8), name=name, parent=parent, position=position, nbytes=data.numel(), tier="disk",
             pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
             layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
-        read = _range_reader(ranges, data)
+        read = disk_capsules.range_reader(ranges, data)
         info = replace(info, digest=state_digest(self.layout.regions, position, read),
                        history_hash=history_digest(self.layout.regions, position, read))
         path = self._write_disk(info, ranges, data, log_runs)
@@ -655,9 +616,8 @@ class CapsuleStore:
                     log_runs: tuple) -> Path:
         folder = self._require_dir()
         self._victims("disk", data.numel())   # refused here, nothing written or evicted yet
-        header = _info_fields(info) | {"ranges": [list(r) for r in ranges], "log": [list(run) for run in log_runs]}
         path = diskformat.path_for(folder, info.id)
-        diskformat.write(path, header, data)
+        diskformat.write(path, disk_capsules.header_for(info, ranges, log_runs), data)
         try:
             # Older capsules leave only once the new one is safely on disk: a failed write
             # (a full disk) must not have cost them.
@@ -673,25 +633,7 @@ class CapsuleStore:
 
     def _read_disk(self, record: Record) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Read and verify a disk capsule's bytes before anyone uses them."""
-        header = diskformat.read_header(record.path)
-        info = record.info
-        if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
-                [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
-            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} no longer describes this capsule")
-        if _log_from_header(header, info.position, self.log_kinds) != record.log:   # what a rollback replays
-            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} has another boundary log")
-        data = diskformat.read_data(record.path, header)
-        ranges = [tuple(r) for r in header["ranges"]]
-        if _merged(ranges) != self.layout.ranges(info.position):   # what a restore would write, exactly
-            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} holds other arena ranges "
-                                 f"than a capsule at position {info.position}")
-        read = _range_reader(ranges, data)
-        actual = state_digest(self.layout.regions, record.info.position, read)
-        if actual != record.info.digest or header.get("digest") != record.info.digest:
-            raise CorruptCapsule(f"capsule {record.info.id}: file {record.path.name} does not match its digest")
-        if history_digest(self.layout.regions, info.position, read) != info.history_hash:
-            raise CorruptCapsule(f"capsule {info.id}: file {record.path.name} does not match its history hash")
-        return data, ranges
+        return disk_capsules.verified_bytes(record.path, record.info, record.log, self.layout, self.log_kinds)
 
     def _load_disk(self) -> None:
         folder = self.dir
@@ -705,24 +647,11 @@ class CapsuleStore:
         loaded = []
         for path in files:
             try:
-                if not diskformat.is_plain_file(path):
-                    raise CorruptCapsule(f"{path.name}: not a regular file")
-                header = diskformat.read_header(path)
-                info = _info_from_header(header, self.layout.table)
-                # What the file holds, whatever the header's own count says.
-                info = replace(info, nbytes=sum(e - s for s, e in header["ranges"]))
-                if not is_capsule_id(info.id) or path.name != diskformat.path_for(folder, info.id).name:
-                    raise CorruptCapsule(f"{path.name}: not the file of a capsule id (16 hex digits) {info.id!r:.40}")
-                if info.position > self.layout.max_position:
-                    raise CorruptCapsule(f"{path.name}: position {info.position} is past this arena's "
-                                         f"{self.layout.max_position} rows")
-                record = Record(info, [], _log_from_header(header, info.position, self.log_kinds), path)
-                self.check_compatible(record)
-                self._read_disk(record)
+                info, log_runs = disk_capsules.load(path, self.layout, self.log_kinds, self.check_compatible)
             except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
                 log.warning("skipping capsule file %s: %s", path.name, exc)
                 continue
-            loaded.append(record)
+            loaded.append(Record(info, [], log_runs, path))
         now, names = time.time(), set()
         for record in sorted(loaded, key=lambda r: r.info.created):
             info = record.info
@@ -749,84 +678,3 @@ def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]
         pieces.append(Piece(s, e, chunk, offset))
         offset += e - s
     return pieces
-
-
-def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Ranges in order, touching ones joined (overlapping or unordered ones kept apart, so
-    that they never compare equal to a layout's ranges)."""
-    out: list[tuple[int, int]] = []
-    for s, e in ranges:
-        if out and s == out[-1][1]:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
-def _range_reader(ranges: Sequence[tuple[int, int]], data: torch.Tensor) -> Callable[[int, int], object]:
-    starts, offset = [], 0
-    for s, e in ranges:
-        starts.append((s, e, offset))
-        offset += e - s
-    array = data.numpy()
-
-    def read(start: int, end: int):
-        parts = []
-        for s, e, off in starts:
-            lo, hi = max(s, start), min(e, end)
-            if lo < hi:
-                parts.append(array[off + lo - s:off + hi - s])
-        if sum(p.size for p in parts) != end - start:
-            raise CorruptCapsule(f"capsule data does not cover arena bytes [{start}, {end})")
-        return parts
-    return read
-
-
-_INFO_KEYS = ("id", "name", "parent", "position", "nbytes", "tier", "pinned", "created", "model_fingerprint",
-              "layout_fingerprint", "digest", "history_hash")
-
-
-def _log_from_header(header: dict, position: int, kinds: frozenset[str] = frozenset()) -> tuple:
-    """The boundary log: runs [kind, start, count] that tile positions [0, position) in order,
-    each of a kind the engine replays (``kinds``; any, if empty). Rollback replays it, so a
-    header that lies here must not load."""
-    runs, end = header.get("log"), 0
-    if not isinstance(runs, list):
-        raise CorruptCapsule("capsule header log is not a list of runs")
-    for run in runs:
-        if not (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str)
-                and (not kinds or run[0] in kinds)
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in run[1:])
-                and run[1] == end and run[2] >= 1):
-            raise CorruptCapsule(f"capsule header log run {str(run)[:60]} does not continue at position {end}")
-        end += run[2]
-    if end != position:
-        raise CorruptCapsule(f"capsule header log covers {end} positions, the capsule has {position}")
-    return tuple(tuple(run) for run in runs)
-
-
-def _info_fields(info: CapsuleInfo) -> dict:
-    return {k: getattr(info, k) for k in _INFO_KEYS} | {"region_table": list(info.region_table)}
-
-
-_LATEST_CREATED = 2.0 ** 31   # seconds since 1970: a ROS Time's int32 seconds end there (2038)
-
-
-def _info_from_header(header: dict, table: tuple[dict, ...]) -> CapsuleInfo:
-    try:
-        fields = {k: header[k] for k in _INFO_KEYS}
-        types = {"position": int, "nbytes": int, "pinned": bool, "created": (int, float)}
-        for key, value in fields.items():
-            if not isinstance(value, types.get(key, str)):
-                raise CorruptCapsule(f"capsule header field {key!r} has the wrong type")
-        if fields["position"] < 0:
-            raise CorruptCapsule("capsule header has a negative position")
-        # A creation time as time.time() gives one: ages, LRU order and ROS stamps are computed from it.
-        if isinstance(fields["created"], bool) or not 0 <= fields["created"] < _LATEST_CREATED:
-            raise CorruptCapsule(f"capsule header has a creation time out of range: {shown(fields['created'])}")
-        check_name(fields["name"])
-        if tuple(header["region_table"]) != table:
-            raise FingerprintMismatch("capsule region table differs from this engine's arena")
-    except (KeyError, TypeError, InvalidCapsuleRequest) as exc:
-        raise CorruptCapsule(f"capsule header is malformed ({exc})") from None
-    return CapsuleInfo(**{**fields, "tier": "disk"}, region_table=table)

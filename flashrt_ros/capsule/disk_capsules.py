@@ -1,0 +1,148 @@
+"""Capsule files in ``capsule_dir``: the header a capsule is written with, and every check a
+file passes before its bytes are trusted (on load at start, and again on each read).
+
+The byte format itself (safetensors, atomic writes) is ``diskformat``'s; the budget and
+the records are the store's.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..digest import history_digest, state_digest
+from ..errors import shown
+from . import diskformat
+from .errors import CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest
+from .info import CapsuleInfo, check_name, is_capsule_id
+from .layout import Layout
+
+
+def load(path: Path, layout: Layout, kinds: frozenset[str],
+         check_compatible: Callable[[CapsuleInfo], None]) -> tuple[CapsuleInfo, tuple]:
+    """The info and boundary log of the capsule file at ``path``, its bytes verified.
+    CorruptCapsule, FingerprintMismatch or CapsuleIOError if it is not one of this engine's."""
+    if not diskformat.is_plain_file(path):
+        raise CorruptCapsule(f"{path.name}: not a regular file")
+    header = diskformat.read_header(path)
+    info = info_from_header(header, layout.table)
+    # What the file holds, whatever the header's own count says.
+    info = replace(info, nbytes=sum(e - s for s, e in header["ranges"]))
+    if not is_capsule_id(info.id) or path.name != diskformat.path_for(path.parent, info.id).name:
+        raise CorruptCapsule(f"{path.name}: not the file of a capsule id (16 hex digits) {info.id!r:.40}")
+    if info.position > layout.max_position:
+        raise CorruptCapsule(f"{path.name}: position {info.position} is past this arena's "
+                             f"{layout.max_position} rows")
+    log_runs = log_from_header(header, info.position, kinds)
+    check_compatible(info)
+    verified_bytes(path, info, log_runs, layout, kinds)
+    return info, log_runs
+
+
+def verified_bytes(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layout,
+                   kinds: frozenset[str]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The file's bytes and the arena ranges they fill, read afresh and checked against the
+    capsule it must still describe: ``info`` and ``log_runs`` are what the store holds."""
+    header = diskformat.read_header(path)
+    if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
+            [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
+        raise CorruptCapsule(f"capsule {info.id}: file {path.name} no longer describes this capsule")
+    if log_from_header(header, info.position, kinds) != log_runs:   # what a rollback replays
+        raise CorruptCapsule(f"capsule {info.id}: file {path.name} has another boundary log")
+    data = diskformat.read_data(path, header)
+    ranges = [tuple(r) for r in header["ranges"]]
+    if merged(ranges) != layout.ranges(info.position):   # what a restore would write, exactly
+        raise CorruptCapsule(f"capsule {info.id}: file {path.name} holds other arena ranges "
+                             f"than a capsule at position {info.position}")
+    read = range_reader(ranges, data)
+    if state_digest(layout.regions, info.position, read) != info.digest:
+        raise CorruptCapsule(f"capsule {info.id}: file {path.name} does not match its digest")
+    if history_digest(layout.regions, info.position, read) != info.history_hash:
+        raise CorruptCapsule(f"capsule {info.id}: file {path.name} does not match its history hash")
+    return data, ranges
+
+
+def merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges in order, touching ones joined (overlapping or unordered ones kept apart, so
+    that they never compare equal to a layout's ranges)."""
+    out: list[tuple[int, int]] = []
+    for s, e in ranges:
+        if out and s == out[-1][1]:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def range_reader(ranges: Sequence[tuple[int, int]], data: torch.Tensor) -> Callable[[int, int], object]:
+    """``read(start, end)`` of arena bytes from ``data``, which holds ``ranges`` end to end."""
+    starts, offset = [], 0
+    for s, e in ranges:
+        starts.append((s, e, offset))
+        offset += e - s
+    array = data.numpy()
+
+    def read(start: int, end: int):
+        parts = []
+        for s, e, off in starts:
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                parts.append(array[off + lo - s:off + hi - s])
+        if sum(p.size for p in parts) != end - start:
+            raise CorruptCapsule(f"capsule data does not cover arena bytes [{start}, {end})")
+        return parts
+    return read
+
+
+_INFO_KEYS = ("id", "name", "parent", "position", "nbytes", "tier", "pinned", "created", "model_fingerprint",
+              "layout_fingerprint", "digest", "history_hash")
+
+
+def log_from_header(header: dict, position: int, kinds: frozenset[str] = frozenset()) -> tuple:
+    """The boundary log: runs [kind, start, count] that tile positions [0, position) in order,
+    each of a kind the engine replays (``kinds``; any, if empty). Rollback replays it, so a
+    header that lies here must not load."""
+    runs, end = header.get("log"), 0
+    if not isinstance(runs, list):
+        raise CorruptCapsule("capsule header log is not a list of runs")
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str)
+                and (not kinds or run[0] in kinds)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in run[1:])
+                and run[1] == end and run[2] >= 1):
+            raise CorruptCapsule(f"capsule header log run {str(run)[:60]} does not continue at position {end}")
+        end += run[2]
+    if end != position:
+        raise CorruptCapsule(f"capsule header log covers {end} positions, the capsule has {position}")
+    return tuple(tuple(run) for run in runs)
+
+
+def header_for(info: CapsuleInfo, ranges: Sequence[tuple[int, int]], log_runs: tuple) -> dict:
+    """The JSON header of the capsule's file: its info, the arena ranges its bytes fill, its boundary log."""
+    return ({k: getattr(info, k) for k in _INFO_KEYS} | {"region_table": list(info.region_table)}
+            | {"ranges": [list(r) for r in ranges], "log": [list(run) for run in log_runs]})
+
+
+_LATEST_CREATED = 2.0 ** 31   # seconds since 1970: a ROS Time's int32 seconds end there (2038)
+
+
+def info_from_header(header: dict, table: tuple[dict, ...]) -> CapsuleInfo:
+    try:
+        fields = {k: header[k] for k in _INFO_KEYS}
+        types = {"position": int, "nbytes": int, "pinned": bool, "created": (int, float)}
+        for key, value in fields.items():
+            if not isinstance(value, types.get(key, str)):
+                raise CorruptCapsule(f"capsule header field {key!r} has the wrong type")
+        if fields["position"] < 0:
+            raise CorruptCapsule("capsule header has a negative position")
+        # A creation time as time.time() gives one: ages, LRU order and ROS stamps are computed from it.
+        if isinstance(fields["created"], bool) or not 0 <= fields["created"] < _LATEST_CREATED:
+            raise CorruptCapsule(f"capsule header has a creation time out of range: {shown(fields['created'])}")
+        check_name(fields["name"])
+        if tuple(header["region_table"]) != table:
+            raise FingerprintMismatch("capsule region table differs from this engine's arena")
+    except (KeyError, TypeError, InvalidCapsuleRequest) as exc:
+        raise CorruptCapsule(f"capsule header is malformed ({exc})") from None
+    return CapsuleInfo(**{**fields, "tier": "disk"}, region_table=table)
