@@ -13,7 +13,7 @@ pytest.importorskip("rclpy")
 from flashrt_ros.errors import ErrorCode  # noqa: E402
 from flashrt_ros.replay import Journal, replay  # noqa: E402
 from ros_harness import Harness, wait_future  # noqa: E402
-from test_node_policy_params import JOINTS, _joint_state, _pose  # noqa: E402
+from test_node_policy_params import _joint_state, _pose  # noqa: E402
 
 
 def test_storm_of_clients_equals_its_sequential_replay(ros_context):

@@ -30,8 +30,8 @@ class HeldEvents:
                 while self.events:
                     try:
                         self._deliver(*self.events.popleft())
-                    except BaseException as exc:   # a Ctrl-C in a listener: the others still hear theirs
-                        stopped = stopped or exc
+                    except BaseException as raised:   # a Ctrl-C in a listener: the others still hear theirs
+                        stopped = stopped or raised
         finally:
             self.depth -= 1
             self._lock.__exit__(None, None, None)

@@ -19,7 +19,6 @@ import sys
 
 import torch
 
-from ..errors import FlashRTError
 from .bag import ENTRY_TOPIC, read_bag
 from .journal import ReplayMismatch, replay
 from .session import engine_for
