@@ -81,6 +81,16 @@ def test_graph_shaped_decode_draws_what_eager_decode_draws():
     assert tokens[0] == tokens[1]
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-40, 1e-300])
+def test_a_temperature_near_zero_draws_the_greedy_token(engine, temperature):
+    """Below float32's range (1e-40) it once flushed to 0: logits / 0 gave +inf at every
+    positive logit, and the first of them won, not the largest."""
+    start = engine.snapshot()
+    greedy = engine.generate(3)
+    engine.restore(start)
+    assert engine.generate(3, temperature=temperature, seed=7) == greedy
+
+
 @pytest.mark.parametrize("kwargs", [
     {"temperature": -0.5}, {"temperature": float("nan")}, {"temperature": float("inf")},
     {"temperature": True}, {"temperature": "1"}, {"seed": -1}, {"seed": 2**63}, {"seed": 1.0},

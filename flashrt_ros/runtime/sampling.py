@@ -42,6 +42,11 @@ def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, index: torch.Tensor
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
            index: torch.Tensor) -> torch.Tensor:
-    """The token drawn from softmax(logits / temperature), shape [1]; logits [1, V]."""
-    scores = logits[0].double() / temperature.double() + gumbel_noise(seed, position, index)
-    return scores.argmax(-1, keepdim=True)
+    """The token drawn from softmax(logits / temperature), shape [1]; logits [1, V].
+
+    The largest logit is taken off first, so every scaled score is <= 0: at a
+    temperature small enough to overflow the others go to -inf and the draw is
+    the greedy token, never an +inf that ties with others."""
+    scaled = logits[0].double()
+    scaled = (scaled - scaled.max()) / temperature.double()
+    return (scaled + gumbel_noise(seed, position, index)).argmax(-1, keepdim=True)

@@ -154,7 +154,8 @@ class Qwen35:
         self.vocab_index = torch.arange(cfg.vocab_size, device=device)
         # Not state: the sampled step's input, a fixed address so that a captured graph reads
         # whatever the engine writes here before replaying it.
-        self.temperature = torch.ones(1, device=device)
+        # float64, as the scores are: a float32 would flush a temperature under 1e-38 to 0.
+        self.temperature = torch.ones(1, dtype=torch.float64, device=device)
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         self.qk_scale = torch.tensor([dk ** -1.0] * hk + [dk ** -0.5] * hk, device=device).view(2 * hk, 1)
         self.arena: StateArena | None = None
