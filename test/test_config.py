@@ -62,7 +62,11 @@ def test_moe_variants_are_refused_until_supported(model_type):
     ({"hidden_size": -4}, "positive int"),
     ({"layer_types": ["linear_attention", "mamba"], "num_hidden_layers": 2}, "unknown layer types"),
     ({"obs_dim": 4}, "policy mode"),
-    ({"full_attention_interval": 0, "layer_types": None}, "malformed config: ZeroDivisionError"),
+    ({"full_attention_interval": 0, "layer_types": None}, "full_attention_interval must be a positive int"),
+    ({"full_attention_interval": 4.9, "layer_types": None}, "full_attention_interval must be a positive int"),
+    ({"num_hidden_layers": True, "layer_types": None}, "num_hidden_layers must be a positive int"),
+    ({"eos_token_id": True}, "eos_token_ids must be token ids"),    # would be token 1
+    ({"eos_token_id": 1.7}, "eos_token_ids must be token ids"),
     ({"rms_norm_eps": "abc"}, "malformed config: ValueError"),
     ({"rope_parameters": [1]}, "malformed config: AttributeError"),
     ({"layer_types": 5}, "malformed config: TypeError"),

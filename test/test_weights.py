@@ -96,8 +96,18 @@ def _break_no_weights(path):
     (path / "model.safetensors").unlink()
 
 
+def _break_empty_index(path):
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+
+
+def _break_folder_as_shard(path):
+    (path / "zz.safetensors").mkdir()
+
+
 @pytest.mark.parametrize("damage, error, words", [
     (_break_missing, CheckpointError, "k_proj"),
+    (_break_empty_index, CheckpointError, "weight_map lists no shard files"),
+    (_break_folder_as_shard, CheckpointError, "shard zz.safetensors is missing or not a file"),
     (_break_shape, CheckpointError, r"shape \(7,\)"),
     (_break_truncate, CheckpointError, "cannot read"),
     (_break_config, Exception, "not valid JSON"),

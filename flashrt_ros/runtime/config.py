@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, shown
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -214,17 +214,23 @@ class ModelConfig:
 
         num_layers = text.get("num_hidden_layers")
         layer_types = text.get("layer_types")
+        if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                       or num_layers < 1):
+            raise InvalidArgument(f"num_hidden_layers must be a positive int, got {shown(num_layers)}")
         if layer_types is None:
-            if not isinstance(num_layers, int):
+            if num_layers is None:
                 raise InvalidArgument("config needs num_hidden_layers or layer_types")
-            layer_types = _interleaved_layer_types(num_layers, int(text.get("full_attention_interval", 4)))
+            interval = text.get("full_attention_interval", 4)
+            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+                raise InvalidArgument(f"full_attention_interval must be a positive int, got {shown(interval)}")
+            layer_types = _interleaved_layer_types(num_layers, interval)
         layer_types = tuple(layer_types)
         if num_layers is not None and num_layers != len(layer_types):
             raise InvalidArgument(
                 f"num_hidden_layers={num_layers} but layer_types lists {len(layer_types)} layers")
 
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))   # checked as ids
         hidden = _required(text, "hidden_size")
         heads = _required(text, "num_attention_heads")
         return cls(

@@ -101,6 +101,9 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
                                   f"float16, bfloat16, float32 or float64 (quantized weights are not supported)")
         if tuple(tensor.shape) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, config implies {shape}")
+        # In slices: a whole-tensor mask of a large embedding would cost a GB of memory on load.
+        if not all(bool(torch.isfinite(part).all()) for part in tensor.detach().reshape(-1).split(1 << 24)):
+            raise CheckpointError(f"tensor {name} holds NaN or infinity: every output would be NaN")
 
 
 def _seeded(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -151,15 +154,18 @@ def _weight_files(path: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         files = sorted({path / f for f in weight_map.values()})
+        if not files:
+            raise CheckpointError(f"{index}: weight_map lists no shard files")
     else:
         files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files")
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors files")
     for f in files:
         if f.parent.resolve() != path.resolve():
             raise CheckpointError(f"{index}: shard {f.name!r} points outside the checkpoint folder")
         if not f.is_file():
-            raise CheckpointError(f"{path}: shard {f.name} listed in the index is missing")
+            where = "listed in the index " if index.is_file() else ""
+            raise CheckpointError(f"{path}: shard {f.name} {where}is missing or not a file")
     return files
 
 
