@@ -94,6 +94,8 @@ BAD_CALLS = {
     "generate past max_seq_len": (lambda e: e.generate(300), "max_seq_len"),
     "negative token count": (lambda e: e.generate(-1), "int >= 0"),
     "policy step without policy heads": (lambda e: e.step([0.0]), "no policy heads"),
+    "a batch of prompts": (lambda e: e.prefill(torch.tensor([[1, 2], [3, 4]])), "one sequence"),
+    "nested list with a bool": (lambda e: e.prefill([[True, 2]]), "one sequence"),
 }
 
 
@@ -123,6 +125,12 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(case):
     ({"budgets": {"device": True}}, "budget for device must be an int"),
     ({"budgets": {"host": False}}, "budget for host must be an int"),
     ({"capsule_dir": 5}, "capsule_dir must be a path"),
+    ({"device": "gpu"}, "device must be"),
+    ({"device": None}, "device must be"),
+    ({"device": "meta"}, "runs on 'cpu' or 'cuda'"),
+    ({"seed": 1.5}, "seed must be an int"),
+    ({"seed": -5}, "seed must be an int"),
+    ({"max_seq_len": 10**13}, "does not fit in cpu's memory"),
 ])
 def test_bad_engine_arguments_are_refused(kwargs, words):
     with pytest.raises(InvalidArgument, match=words):
@@ -144,6 +152,7 @@ def test_a_bad_stream_call_fails_when_made_and_commits_nothing(n, sync_every):
     (lambda w: w.update({"model.layers.2.linear_attn.out_proj.weight": torch.randn(128, 64)}), "has shape"),
     (lambda w: w.update({"model.norm.weight": torch.zeros(128, dtype=torch.int64)}), "torch.int64"),
     (lambda w: w.update({"model.norm.weight": torch.zeros(128).to(torch.float8_e4m3fn)}), "quantized"),
+    (lambda w: w["model.layers.0.mlp.down_proj.weight"].view(-1)[7].fill_(float("nan")), "NaN or infinity"),
 ])
 def test_weights_handed_to_the_constructor_are_checked_before_anything_runs(damage, words):
     from flashrt_ros.errors import CheckpointError
@@ -189,7 +198,9 @@ def test_policy_steps_and_tokens_share_one_backbone_state():
 
 
 @pytest.mark.parametrize("obs, words", [([0.0] * 9, "obs_dim=10"), ([float("nan")] * 10, "NaN"),
-                                        ([["x"]], "vector of numbers")])
+                                        ([["x"]], "vector of numbers"),
+                                        (torch.zeros(2, 5), "1-D"), (torch.zeros(10, dtype=torch.complex64), "real"),
+                                        ([True] * 10, "real numbers"), ([1e300] + [0.0] * 9, "float32's range")])
 def test_bad_observation_is_refused_without_a_step(obs, words):
     engine = Engine.from_config(POLICY)
     before = engine.state_digest()
@@ -217,6 +228,59 @@ def test_an_observation_that_overflows_inside_the_model_is_undone_and_refused(fi
     assert torch.equal(engine.step(obs * 2), reference.step(obs * 2))
     assert engine.generate(2) == reference.generate(2)
     assert engine.state_digest() == reference.state_digest()
+
+
+def test_a_refused_step_costs_no_rollback_history():
+    engine = Engine.from_config(POLICY, rollback_depth=3)
+    obs = torch.linspace(-1, 1, 10)
+    for i in range(3):
+        engine.step(obs * (i + 1))
+    with pytest.raises(InvalidArgument, match="undone"):
+        engine.step(torch.full((10,), 3.4e38))
+    assert engine.rollback(3) == 0   # all three steps back are still kept
+
+
+class _Interrupt(BaseException):
+    """Stands in for Ctrl-C (or a fault) part-way through a commit."""
+
+
+def _interrupt_after(engine, method: str, calls: int, monkeypatch) -> None:
+    real, seen = getattr(engine.model, method), [0]
+
+    def flaky(*args, **kwargs):
+        seen[0] += 1
+        if seen[0] > calls:
+            raise _Interrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine.model, method, flaky)
+
+
+@pytest.mark.parametrize("what", ["second chunk of a prompt", "third layer of a decode step",
+                                  "third layer of a policy step"])
+def test_a_commit_interrupted_part_way_leaves_the_state_of_the_last_boundary(what, monkeypatch):
+    """The first chunk of a prompt, or the first layers of a step, change the state before
+    the fault: the commit is undone whole, and rollback still finds every position."""
+    policy = "policy" in what
+    engine = Engine.from_config(POLICY if policy else ModelConfig.tiny(), prefill_chunk=4)
+    reference = Engine.from_config(POLICY if policy else ModelConfig.tiny(), prefill_chunk=4)
+    for e in (engine, reference):
+        e.prefill(PROMPT[:3])
+    before = engine.state_digest()
+    if what.startswith("second chunk"):
+        _interrupt_after(engine, "prefill", 1, monkeypatch)
+        call = lambda: engine.prefill(PROMPT[3:12])   # noqa: E731
+    else:
+        _interrupt_after(engine, "_block_forward", 2, monkeypatch)
+        call = (lambda: engine.step(torch.ones(10))) if policy else (lambda: engine.generate(1))
+    with pytest.raises(_Interrupt):
+        call()
+    monkeypatch.undo()
+    assert engine.position == 3 and engine.state_digest() == before
+    engine.prefill(PROMPT[3:12])
+    reference.prefill(PROMPT[3:12])
+    assert engine.rollback(to_position=5) == 5 and reference.rollback(to_position=5) == 5
+    assert engine.state_digest() == reference.state_digest()
+    assert engine.generate(4) == reference.generate(4)
 
 
 def test_an_engine_used_as_a_context_manager_stops_its_digest_thread_on_exit():

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
@@ -75,7 +76,7 @@ class Engine:
                 raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
         weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
         self.config = cfg
-        self.device = torch.device(device)
+        self.device = _checked_device(device)
         self.dtype = dtype
         self.max_seq_len = int(max_seq_len)
         self.seeded_weights = tuple(seeded)
@@ -87,7 +88,15 @@ class Engine:
         # torch.inference_mode(): the capsule calls and the digest thread write into the
         # arena, the pool and the rollback ring outside it, which inference tensors refuse.
         with torch.inference_mode(False):
-            self._build(cfg, weights, opts)
+            try:
+                self._build(cfg, weights, opts)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                # The allocator's own error: a max_seq_len or rollback_depth too large for this memory.
+                if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+                    raise
+                raise InvalidArgument(f"the engine's state (max_seq_len={self.max_seq_len}, rollback_depth="
+                                      f"{opts['rollback_depth']}) does not fit in {self.device}'s memory: "
+                                      f"{str(exc).splitlines()[0][:200]}") from None
 
     def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
@@ -145,6 +154,7 @@ class Engine:
     def from_config(cls, cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, **options: Any) -> "Engine":
         """An engine with deterministic seeded weights (the embedded default uses ``ModelConfig.tiny()``)."""
+        _check_seed(seed)
         return cls(cfg, weights_io.seeded_weights(cfg, seed), device=device, dtype=dtype,
                    max_seq_len=max_seq_len, seeded=tuple(weights_io.expected_shapes(cfg)), **options)
 
@@ -157,6 +167,7 @@ class Engine:
         ``mtp.*`` and policy weights absent from the checkpoint are seeded with ``seed``.
         ``policy_dims`` = (obs_dim, action_dim) overrides the checkpoint's policy heads.
         """
+        _check_seed(seed)
         cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
         return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
 
@@ -263,32 +274,51 @@ class Engine:
             self._commit_prefill(ids.to(self.device))
             return _handed_out(self.model.logits()[0].float())
 
+    @contextmanager
+    def _whole_or_none(self) -> Iterator[None]:
+        """A boundary is committed whole or not at all. Anything raised part-way (Ctrl-C in a
+        layer, a later chunk of a long prompt failing) puts back the fixed-size state of the
+        last boundary, which the ring holds; rows written past the position are not live."""
+        try:
+            yield
+        except BaseException:
+            self._go_back(0)
+            raise
+
     def _commit_prefill(self, ids: torch.Tensor) -> None:
         start = self._position
-        for first in range(0, ids.numel(), self._prefill_chunk):
-            chunk = ids[first:first + self._prefill_chunk]
-            self.model.prefill(chunk, self._position)
-            self._position += chunk.numel()
-        self._boundary(PREFILL, start, ids.numel())
+        with self._whole_or_none():
+            for first in range(0, ids.numel(), self._prefill_chunk):
+                chunk = ids[first:first + self._prefill_chunk]
+                self.model.prefill(chunk, self._position)
+                self._position += chunk.numel()
+            self._boundary(PREFILL, start, ids.numel())
 
     def _commit_token(self, sampled: bool = False, logged: int | None = None) -> None:
         """One decode boundary: a token chosen now (greedy or ``sampled``), or in a replay the
         ``logged`` one the run committed, not chosen again (it may have been drawn at a
         temperature the log does not keep): the same computation over the same span once
         the token is known, so the same bytes."""
-        if logged is None:
-            (self._sample_step if sampled else self._token_step)()
-        else:
-            self.model.commit_token(torch.tensor([logged], device=self.device),
-                                    self.model.decode_span(self._position, self.fixed_shapes))
-        self._position += 1
-        self._boundary(DECODE, self._position - 1, 1)
+        with self._whole_or_none():
+            if logged is None:
+                (self._sample_step if sampled else self._token_step)()
+            else:
+                self.model.commit_token(torch.tensor([logged], device=self.device),
+                                        self.model.decode_span(self._position, self.fixed_shapes))
+            self._position += 1
+            self._boundary(DECODE, self._position - 1, 1)
 
-    def _commit_step(self, observation: torch.Tensor) -> None:
-        self._obs_in.copy_(observation)
-        self._policy_step()
-        self._position += 1
-        self._boundary(STEP, self._position - 1, 1)
+    def _commit_step(self, observation: torch.Tensor, finite_only: bool = False) -> None:
+        """``finite_only``: raise _NotFinite, the boundary not committed, if the step drove the
+        action or the hidden state to NaN or infinity (a replay commits what was committed)."""
+        with self._whole_or_none():
+            self._obs_in.copy_(observation)
+            self._policy_step()
+            if finite_only and not (torch.isfinite(self._action_out).all()
+                                    and torch.isfinite(self.model.last_hidden).all()):
+                raise _NotFinite
+            self._position += 1
+            self._boundary(STEP, self._position - 1, 1)
 
     def _boundary(self, kind: str, start: int, count: int) -> None:
         """Bookkeeping of one committed boundary: the log run and the ring slot (no KV)."""
@@ -368,29 +398,36 @@ class Engine:
         if not cfg.policy:
             raise InvalidArgument("this model has no policy heads (obs_dim = action_dim = 0)")
         try:
-            obs = torch.as_tensor(observation, dtype=torch.float32).flatten()
+            given = torch.as_tensor(observation)
+            if given.is_floating_point() and not isinstance(observation, (torch.Tensor, np.ndarray)):
+                given = torch.as_tensor(observation, dtype=torch.float64)   # Python floats are doubles
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidArgument(f"observation is not a vector of numbers: {exc}") from None
-        if obs.numel() != cfg.obs_dim:
-            raise InvalidArgument(f"observation has {obs.numel()} values, the model expects obs_dim={cfg.obs_dim}")
-        if not torch.isfinite(obs).all():
+        if given.dtype == torch.bool or given.dtype.is_complex or given.dim() > 1:
+            raise InvalidArgument(f"observation must be a vector (1-D) of real numbers, got {given.dtype} "
+                                  f"of shape {tuple(given.shape)}")
+        if given.numel() != cfg.obs_dim:
+            raise InvalidArgument(f"observation has {given.numel()} values, the model expects obs_dim={cfg.obs_dim}")
+        if not torch.isfinite(given).all():
             raise InvalidArgument("observation contains NaN or infinity")
+        obs = given.to(torch.float32).flatten()
+        if not torch.isfinite(obs).all():
+            raise InvalidArgument(f"observation value {given.abs().max().item():.3g} is out of float32's range")
         with self._work(step=True):
             self._check_room(1)
-            self._commit_step(obs)
-            action = self._action_out.cpu()
-            # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
-            # inside the model; left in, every later action would be NaN. Undo the step instead.
-            if not (torch.isfinite(action).all() and torch.isfinite(self.model.last_hidden).all()):
-                self._go_back(1)
-                # The step's own KV rows are past the position now, but fixed-shape decode (and
-                # the CUDA graph) reads every row and masks scores: 0 x NaN would still be NaN.
+            try:
+                # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
+                # inside the model; committed, every later action would be NaN.
+                self._commit_step(obs, finite_only=True)
+            except _NotFinite:
+                # The step's own rows are past the position, but fixed-shape decode (and the
+                # CUDA graph) reads every row and masks scores: 0 x NaN would still be NaN.
                 for region in self.arena.regions:
                     if region.per_token:
                         self.arena[region.name][self._position].zero_()
                 raise InvalidArgument(f"observation (largest magnitude {obs.abs().max().item():.3g}) drove the "
-                                      "state to NaN or infinity; the step was undone")
-            return _handed_out(action)
+                                      "state to NaN or infinity; the step was undone") from None
+            return _handed_out(self._action_out.cpu())
 
     # ---- capsules --------------------------------------------------------------------------------
     def snapshot(self, name: str | None = None, tier: str = "device", pin: bool = False) -> CapsuleInfo:
@@ -562,8 +599,9 @@ class Engine:
         try:
             for kind, first, count in logged.between(start, target):
                 self._replay(kind, first, count, tokens, seeds, observations)
-            if self.model.tokens[:target].tolist() != tokens:
-                raise FlashRTError(f"replay to position {target} did not reproduce the logged tokens")
+            if self._position != target or self.model.tokens[:target].tolist() != tokens:
+                raise FlashRTError(f"replay to position {target} did not reproduce the logged run "
+                                   f"(it reached position {self._position})")
         except BaseException:
             self.arena.buffer[:self.arena.fixed_bytes].copy_(before[0])
             for view, saved in rows:
@@ -611,6 +649,8 @@ class Engine:
             raise InvalidArgument(f"token ids must be a sequence of ints: {exc}") from None
         if ids.numel() == 0:
             raise InvalidArgument("token ids are empty")
+        if ids.dim() > 1:   # a batch ([[...], [...]]) flattened would be one long prompt
+            raise InvalidArgument(f"token ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
             raise InvalidArgument(f"token ids must be integers, got dtype {ids.dtype}")
         if isinstance(token_ids, (list, tuple)) and any(isinstance(t, bool) for t in token_ids):
@@ -630,11 +670,35 @@ class Engine:
                 f"(position is {self._position})")
 
 
+class _NotFinite(Exception):
+    """A policy step gave NaN or infinity (never leaves the engine)."""
+
+
 def _handed_out(t: torch.Tensor) -> torch.Tensor:
     """A copy the caller owns, as a normal tensor: what runs under inference mode makes
     inference tensors, which refuse in-place changes (``logits.div_(t)``) outside it."""
     with torch.inference_mode(False):
         return t.clone()
+
+
+def _checked_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgument(f"device must be 'cpu', 'cuda' or 'cuda:N', got {shown(device)}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"device {dev} asked for, but this torch build sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidArgument(f"device {dev}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise InvalidArgument(f"device {dev}: this engine runs on 'cpu' or 'cuda'")
+    return dev
+
+
+def _check_seed(seed: Any) -> None:
+    if not _is_int(seed) or not 0 <= seed < 2**63:   # it names the seeded weights: 1.5 and "1.5" are not seeds
+        raise InvalidArgument(f"seed must be an int in [0, 2**63), got {shown(seed)}")
 
 
 def _is_int(value: Any) -> bool:
