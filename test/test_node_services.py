@@ -192,6 +192,27 @@ def test_a_goal_aborted_by_deactivation_reports_the_tokens_it_committed(live):
     assert list(answer.tokens) == h.node.engine.arena["meta.tokens"][3:3 + committed, 0].tolist()
 
 
+@pytest.mark.parametrize("then", ["cancel", "deactivate"])
+def test_a_goal_canceled_or_deactivated_while_it_waits_for_the_lock_commits_no_prompt(live, then):
+    """The lock stands in for a long call of another client's. The goal's checks before the
+    lock passed; those made once it holds the lock must stop the prompt."""
+    h = live
+    engine = h.node.engine
+    with engine.lock:
+        handle, result = h.generate(token_ids=list(range(1, 101)), max_new_tokens=10)
+        time.sleep(0.3)   # the goal is accepted; what it finds when it gets the lock is the same either way
+        if then == "cancel":
+            assert len(wait_future(handle.cancel_goal_async()).goals_canceling) == 1
+        else:
+            h.node.trigger_deactivate()
+    answer = wait_future(result).result
+    assert engine.position == 0 and len(answer.tokens) == 0
+    if then == "cancel":
+        assert answer.success and "canceled" in answer.message
+    else:
+        assert answer.error_code == ErrorCode.NOT_ACTIVE and "before the prompt" in answer.message
+
+
 def test_generate_streams_feedback_reports_ttft_and_matches_the_engine(live):
     from flashrt_ros.runtime import Engine, ModelConfig
     from flashrt_ros.runtime.tokenizer import ByteTokenizer
@@ -430,6 +451,29 @@ def test_a_process_wide_node_rename_names_the_services_helper_apart():
             assert restore.wait_for_service(timeout_sec=10)
             answer = wait_future(restore.call_async(SERVICES["restore"].Request(capsule_id="x")))
             _refused(answer, ErrorCode.NOT_ACTIVE)
+    finally:
+        if node is not None:
+            node.destroy_node()
+        context.try_shutdown()
+
+
+def test_remaps_of_the_nodes_private_service_names_move_the_capsule_services():
+    """``~/restore:=...`` means the node's ``~``: the services' helper node must resolve the
+    names as the node itself does, or such a rule is silently ignored."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from flashrt_ros.ros.node import FlashRTNode
+
+    context = Context()
+    rclpy.init(context=context, args=["--ros-args", "-r", "~/restore:=/robot/restore"])
+    node = None
+    try:
+        node = FlashRTNode(context=context, parameter_overrides=[Parameter("max_seq_len", value=256)])
+        names = {name for name, _ in node._capsule_services.node.get_service_names_and_types_by_node(
+            node._capsule_services.node.get_name(), node._capsule_services.node.get_namespace())}
+        assert {"/robot/restore", "/flashrt/fork"} <= names and "/flashrt/restore" not in names
     finally:
         if node is not None:
             node.destroy_node()

@@ -37,7 +37,11 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
     eos = set(engine.config.eos_token_ids) | {getattr(node.tokenizer, "eos_id", None)}
     start = time.perf_counter()
     with engine.lock:
-        if ids:
+        # Asked again once the lock is ours: a goal that waited for it may have been canceled,
+        # or the node deactivated, meanwhile; neither may find the prompt committed.
+        if not node.serving:
+            raise NotActive("node left the active state before the prompt was committed")
+        if ids and not goal_handle.is_cancel_requested:   # a cancel ends the goal at the loop's first check
             engine.prefill(ids)
             node.note_state_change(J.PREFILL, {"token_ids": list(ids), "prompt": goal.prompt}, {})
         lineage = engine.lineage

@@ -28,13 +28,13 @@ class CapsuleServices:
         name = f"{owner.get_name()}_capsule_services"
         # Launch renames a node with process-wide __node/__ns remaps, which would give
         # this helper the owner's name too; its own remaps come first in rcl's lookup.
-        # Other remaps (of service names) still apply to it.
         self.node = Node(name, namespace=owner.get_namespace(), context=owner.context,
                          start_parameter_services=False,
                          cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={owner.get_namespace()}"])
-        base = owner.get_fully_qualified_name()
         for srv, name, handler in services:
-            self.node.create_service(srv, f"{base}/{name}", handler)
+            # Named as the owner would name them, its remaps applied: a rule for ``~/restore``
+            # means the owner's ``~``, which the helper's own expansion would not match.
+            self.node.create_service(srv, owner.resolve_service_name(f"~/{name}"), handler)
         self.failures = 0   # requests whose handler or answer raised (each is logged)
         self._executor = SingleThreadedExecutor(context=owner.context)
         self._executor.add_node(self.node)
