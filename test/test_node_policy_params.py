@@ -54,6 +54,7 @@ def test_observation_layout_uses_names_and_a_continuous_rotation():
     (lambda: (_joint_state([0] * 7, velocities=[1.0]), _pose()), "velocities"),
     (lambda: (_joint_state([float("nan")] * 7), _pose()), "NaN"),
     (lambda: (_joint_state([0] * 7), _pose(wxyz=(0, 0, 0, 0))), "quaternion"),
+    (lambda: (_joint_state([0] * 8, names=JOINTS + [JOINTS[2]]), _pose()), "more than once"),
 ])
 def test_bad_observations_are_refused_with_a_reason(bad, why):
     from flashrt_ros.errors import InvalidArgument
@@ -154,6 +155,7 @@ def test_params_file_loads_and_every_parameter_is_in_it(ros_context):
     ("default_tier:=moon", "default_tier"),
     ("status_rate:=-1.0", "status_rate"),
     ("max_seq_len:=big", "max_seq_len"),
+    ("status_rate:=[]", "status_rate: needs a value"),   # an empty list arrives as no value at all
 ])
 def test_invalid_parameter_values_are_refused_with_a_reason(override, reason):
     import rclpy
@@ -168,6 +170,30 @@ def test_invalid_parameter_values_are_refused_with_a_reason(override, reason):
             FlashRTNode(context=context).destroy_node()
         assert reason in str(refused.value)
     finally:
+        context.try_shutdown()
+
+
+def test_an_empty_joint_list_from_a_params_file_is_no_joints(tmp_path):
+    """YAML ``[]`` reaches rclpy without a type: the node must read it as zero joints
+    (obs_dim = 9: the end-effector pose alone), not fail on a None."""
+    import rclpy
+    from rclpy.context import Context
+
+    from flashrt_ros.ros.node import FlashRTNode
+
+    params = tmp_path / "no_joints.yaml"
+    params.write_text("/**:\n  ros__parameters:\n    max_seq_len: 256\n"
+                      "    policy:\n      joint_names: []\n      obs_dim: 9\n      action_dim: 2\n")
+    context = Context()
+    rclpy.init(context=context, args=["--ros-args", "--params-file", str(params)])
+    node = None
+    try:
+        node = FlashRTNode(context=context)
+        node.trigger_configure()
+        assert node.engine is not None and node.engine.config.obs_dim == 9
+    finally:
+        if node is not None:
+            node.destroy_node()
         context.try_shutdown()
 
 

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rclpy.exceptions import ParameterUninitializedException
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType,
                                 SetParametersResult)
 
@@ -81,7 +82,22 @@ def declare_all(node: Any) -> None:
 
 
 def values(node: Any) -> dict[str, Any]:
-    return {p.name: node.get_parameter(p.name).value for p in PARAMS}
+    return {p.name: _given(p.name, _value(node, p.name)) for p in PARAMS}
+
+
+def _value(node: Any, name: str) -> Any:
+    try:
+        return node.get_parameter(name).value
+    except ParameterUninitializedException:   # declared with a type, given none: see _given
+        return None
+
+
+_LISTS = frozenset(p.name for p in PARAMS if isinstance(p.default, list))
+
+
+def _given(name: str, value: Any) -> Any:
+    """An empty list given at launch (``[]`` in YAML, ``:=[]``) arrives without a type, as None."""
+    return [] if value is None and name in _LISTS else value
 
 
 MIN_STATUS_RATE = 1e-3   # one status every 1000 s
@@ -97,6 +113,9 @@ def check(parameters: list) -> SetParametersResult:
 
 
 def _reason(name: str, value: Any) -> str:
+    value = _given(name, value)
+    if value is None:
+        return "needs a value (an empty list is no value for it)"
     if name == "device" and not _DEVICE.fullmatch(str(value)):
         return f"{value!r} is not a torch device of the form cpu, cuda or cuda:N"
     if name == "dtype" and value not in DTYPES:
