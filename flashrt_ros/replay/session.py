@@ -38,6 +38,8 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
+            # Prefill's products on oneDNN's blocked weights, or torch.mm: they round differently.
+            "prefill_blocked": engine.prefill_blocked,
             # Disk capsules found in capsule_dir at start: the session may restore them.
             "capsule_dir": str(store.dir or ""),
             "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
@@ -62,7 +64,8 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
                          rollback_depth=session["rollback_depth"], budgets=session["budgets"] or None,
                          spill=session["spill"], capsule_dir=capsule_dir,
                          cuda_graphs=session.get("cuda_graphs", True),
-                         static_shapes=session.get("fixed_shapes", False))
+                         static_shapes=session.get("fixed_shapes", False),
+                         prefill_blocked=session.get("prefill_blocked", False))   # older sessions: torch.mm
     for key in ("model_fingerprint", "layout_fingerprint"):
         if getattr(engine, key) != session[key]:
             raise InvalidArgument(f"the rebuilt engine's {key} differs from the recorded one: "

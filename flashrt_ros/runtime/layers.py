@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .projection import Projection
+
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, multiplied by ``scale`` before the cast back, as Qwen3.5 does.
@@ -68,28 +70,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 
-def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` for x [n, in] and w [in, out].
-
-    One fp32 row on a CPU is a GEMV, which torch runs on one thread: 23 GB/s
-    on the 2-core bench machine, where two threads read 36 GB/s. So ``w`` is cut
-    along ``in`` into slabs (a free view of the same memory), one batched product
-    spreads the slabs over the threads, and their partial rows are summed: one
-    decode step's 180 MB of weights took 6.6 instead of 10.5 ms. The slab count
-    is fixed, not the thread count, so the numbers do not depend on the machine.
-    """
-    n, k = x.shape
-    if n == 1 and x.device.type == "cpu" and w.dtype == torch.float32:
-        slabs = next((s for s in _SLABS if k % s == 0), 1)
-        if slabs > 1:
-            return torch.bmm(x.reshape(slabs, 1, k // slabs), w.view(slabs, k // slabs, -1)).sum(0)
-    return x @ w
-
-
-_SLABS = (8, 4, 2)
-
-
-def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, gate_up: Projection, down: Projection) -> torch.Tensor:
     """SwiGLU with gate and up fused into one [in, 2 * inter] matrix (one GEMM instead of two)."""
-    gate, up = project(x, gate_up).chunk(2, dim=-1)
-    return project(F.silu(gate, inplace=True).mul_(up), down)   # in place: the product is ours alone
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate, inplace=True).mul_(up))   # in place: the product is ours alone

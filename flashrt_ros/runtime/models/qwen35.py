@@ -17,7 +17,8 @@ from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
 from ..config import FULL, LINEAR, ModelConfig
 from ...hugepages import empty_huge
-from ..layers import apply_rope, gated_rms_norm, project, rms_norm, rope_tables, swiglu_mlp
+from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables, swiglu_mlp
+from ..projection import Projection
 
 
 def state_specs(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> list[RegionSpec]:
@@ -53,15 +54,16 @@ def state_specs(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> list[
 class _Block:
     """One decoder layer's weights. Projections are stored transposed, [in, out],
     and fused (one GEMM per projection group): on CPU a one-row ``x @ W`` streams
-    such a matrix about twice as fast as ``F.linear`` over [out, in]."""
+    such a matrix about twice as fast as ``F.linear`` over [out, in] (and see
+    ``Projection`` for the many-row layout)."""
 
     kind: str
     ln_in: torch.Tensor            # fp32, 1 + w
     ln_post: torch.Tensor          # fp32, 1 + w
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    in_proj: torch.Tensor          # linear: qkv|z|b|a   full: q|k|gate|v
-    out_proj: torch.Tensor
+    gate_up: Projection
+    down: Projection
+    in_proj: Projection            # linear: qkv|z|b|a   full: q|k|gate|v
+    out_proj: Projection
     norm_a: torch.Tensor           # linear: gated output norm (plain w)   full: q|k norm per head (1 + w)
     conv: torch.Tensor | None = None      # [K, C], time-major like the conv state
     neg_a: torch.Tensor | None = None     # -exp(A_log), fp32
@@ -70,8 +72,11 @@ class _Block:
 
 
 class _Cast:
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
+    """Weights onto the device, in the compute dtype; ``blocked``: projections that prefill
+    multiplies also get oneDNN's many-row layout (see ``Projection``)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, blocked: bool = False) -> None:
+        self.device, self.dtype, self.blocked = device, dtype, blocked
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
@@ -80,15 +85,21 @@ class _Cast:
         """Fuse [out, in] matrices along out and store the result as [in, out]."""
         return self(torch.cat(parts).t())
 
+    def proj(self, *parts: torch.Tensor, many_rows: bool = True) -> Projection:
+        """``many_rows``: prefill multiplies it (the LM head and the MTP draft layer it never does)."""
+        return Projection(self.t(*parts), blocked=self.blocked and many_rows)
+
     def one_plus(self, w: torch.Tensor) -> torch.Tensor:
         return (1.0 + w.detach().float()).to(self.device)
 
 
-def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast) -> _Block:
+def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast,
+           many_rows: bool = True) -> _Block:
     mlp = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
                ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
-               gate_up=cast.t(w[f"{prefix}mlp.gate_proj.weight"], w[f"{prefix}mlp.up_proj.weight"]),
-               down=cast.t(w[f"{prefix}mlp.down_proj.weight"]))
+               gate_up=cast.proj(w[f"{prefix}mlp.gate_proj.weight"], w[f"{prefix}mlp.up_proj.weight"],
+                                 many_rows=many_rows),
+               down=cast.proj(w[f"{prefix}mlp.down_proj.weight"], many_rows=many_rows))
     if kind == FULL:
         a = f"{prefix}self_attn."
         q_norm, k_norm = w[f"{a}q_norm.weight"], w[f"{a}k_norm.weight"]
@@ -100,15 +111,15 @@ def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: 
         heads = q_and_gate.shape[0]
         kv_heads = w[f"{a}k_proj.weight"].shape[0] // d
         return _Block(kind, **mlp, slot=slot,
-                      in_proj=cast.t(q_and_gate[:, 0].flatten(0, 1), w[f"{a}k_proj.weight"],
-                                     q_and_gate[:, 1].flatten(0, 1), w[f"{a}v_proj.weight"]),
-                      out_proj=cast.t(w[f"{a}o_proj.weight"]),
+                      in_proj=cast.proj(q_and_gate[:, 0].flatten(0, 1), w[f"{a}k_proj.weight"],
+                                        q_and_gate[:, 1].flatten(0, 1), w[f"{a}v_proj.weight"], many_rows=many_rows),
+                      out_proj=cast.proj(w[f"{a}o_proj.weight"], many_rows=many_rows),
                       norm_a=cast.one_plus(torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)])))
     a = f"{prefix}linear_attn."
     return _Block(kind, **mlp, slot=slot,
-                  in_proj=cast.t(w[f"{a}in_proj_qkv.weight"], w[f"{a}in_proj_z.weight"],
-                                 w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"]),
-                  out_proj=cast.t(w[f"{a}out_proj.weight"]),
+                  in_proj=cast.proj(w[f"{a}in_proj_qkv.weight"], w[f"{a}in_proj_z.weight"],
+                                    w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"], many_rows=many_rows),
+                  out_proj=cast.proj(w[f"{a}out_proj.weight"], many_rows=many_rows),
                   norm_a=cast(w[f"{a}norm.weight"]),
                   conv=cast(w[f"{a}conv1d.weight"][:, 0, :].t()),
                   neg_a=-w[f"{a}A_log"].float().exp().to(cast.device),
@@ -119,12 +130,12 @@ class Qwen35:
     """The hybrid decoder. Build, then ``bind`` an arena; every forward writes state there."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_seq_len: int) -> None:
+                 device: torch.device, dtype: torch.dtype, max_seq_len: int, blocked: bool = False) -> None:
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        cast = _Cast(device, dtype)
+        cast = _Cast(device, dtype, blocked)
         self.embed = cast(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = cast.t(head)  # a second, transposed copy when tied: see _Block
+        self.lm_head = cast.proj(head, many_rows=False)  # a second, transposed copy when tied: see _Block
         self.final_norm = cast.one_plus(weights["model.norm.weight"])
         slots = {FULL: 0, LINEAR: 0}
         self.blocks: list[_Block] = []
@@ -133,14 +144,14 @@ class Qwen35:
             slots[kind] += 1
         self.mtp: _Block | None = None
         if cfg.mtp_num_hidden_layers:
-            self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast)
+            self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast, many_rows=False)
             # A boundary needs only the MTP layer's K and V rows: its attention and MLP
             # produce a draft, and nothing reads a draft until speculative decoding does.
             # Their own [in, out] copy lets prefill and decode skip the query and gate columns.
             a = "mtp.layers.0.self_attn."
-            self.mtp_kv_proj = cast.t(weights[f"{a}k_proj.weight"], weights[f"{a}v_proj.weight"])
+            self.mtp_kv_proj = cast.proj(weights[f"{a}k_proj.weight"], weights[f"{a}v_proj.weight"])
             self.mtp_k_norm = self.mtp.norm_a[cfg.num_attention_heads:]
-            self.mtp_fc = cast.t(weights["mtp.fc.weight"])
+            self.mtp_fc = cast.proj(weights["mtp.fc.weight"])
             self.mtp_norm_embed = cast.one_plus(weights["mtp.pre_fc_norm_embedding.weight"])
             self.mtp_norm_hidden = cast.one_plus(weights["mtp.pre_fc_norm_hidden.weight"])
         if cfg.policy:
@@ -176,7 +187,7 @@ class Qwen35:
     def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         c, vd, hv, hk = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
-        mixed, z, beta_in, a_in = project(x, b.in_proj).split([c, vd, hv, hv], dim=-1)
+        mixed, z, beta_in, a_in = b.in_proj(x).split([c, vd, hv, hv], dim=-1)
 
         conv_state = self.conv[b.slot]                       # [K-1, C], time-major
         window = torch.cat([conv_state, mixed], dim=0)       # [K-1+n, C]
@@ -203,16 +214,16 @@ class Qwen35:
         rule = gated_delta.recurrent_step if n == 1 else gated_delta.chunked
         o = rule(q, k, v, g, beta, self.recurrent[b.slot]).to(x.dtype)
         o = gated_rms_norm(o, z.reshape(n, hv, -1), b.norm_a, cfg.rms_norm_eps)
-        return project(o.reshape(n, vd), b.out_proj)
+        return b.out_proj(o.reshape(n, vd))
 
     def _full_mixer(self, x: torch.Tensor, b: _Block, kv: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qk, gate, v = project(x, b.in_proj).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
+        qk, gate, v = b.in_proj(x).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
         qk = apply_rope(rms_norm(qk.view(n, hq + hkv, d), b.norm_a, cfg.rms_norm_eps), *rope)
         out = write_and_attend(qk[:, :hq], qk[:, hq:], v.view(n, hkv, d), kv[:, 0], kv[:, 1], positions, span)
-        return project(out * torch.sigmoid(gate), b.out_proj)
+        return b.out_proj(out * torch.sigmoid(gate))
 
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], span: Span, decode: bool) -> torch.Tensor:
@@ -247,15 +258,15 @@ class Qwen35:
         the hidden state of token t-1, exactly as its full forward would."""
         cfg, n, eps = self.cfg, embeds.shape[0], self.cfg.rms_norm_eps
         m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)], -1)
-        h = rms_norm(project(m, self.mtp_fc), self.mtp.ln_in, eps)
-        k, v = project(h, self.mtp_kv_proj).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
+        h = rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)
+        k, v = self.mtp_kv_proj(h).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
         k = apply_rope(rms_norm(k, self.mtp_k_norm, eps), *rope)
         self.mtp_kv[:, 0].index_copy_(0, positions, k)
         self.mtp_kv[:, 1].index_copy_(0, positions, v)
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [1, vocab], from the last hidden state alone."""
-        return project(self.last_hidden[None], self.lm_head)
+        return self.lm_head(self.last_hidden[None])
 
     def prefill(self, ids: torch.Tensor, start: int) -> None:
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
@@ -300,11 +311,11 @@ class Qwen35:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""
-        tensors = [self.lm_head, self.final_norm]
+        tensors = [self.lm_head.w, self.final_norm]
         for b in self.blocks:
-            tensors += [t for t in (b.ln_in, b.ln_post, b.gate_up, b.down, b.in_proj, b.out_proj, b.norm_a,
+            tensors += [t for t in (b.ln_in, b.ln_post, b.gate_up.w, b.down.w, b.in_proj.w, b.out_proj.w, b.norm_a,
                                     b.conv) if t is not None]
         if self.mtp is not None:
-            tensors += [self.mtp_fc, self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in, self.mtp_kv_proj,
-                        self.mtp_k_norm]
+            tensors += [self.mtp_fc.w, self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in,
+                        self.mtp_kv_proj.w, self.mtp_k_norm]
         return sum(t.numel() * t.element_size() for t in tensors) + self.embed[0].numel() * self.embed.element_size()
