@@ -170,7 +170,8 @@ class FlashRTNode(LifecycleNode):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgument(f"device={device!r} but CUDA is not available (torch {torch.__version__})")
         opts = dict(device=device, dtype=getattr(torch, vals["dtype"]), max_seq_len=vals["max_seq_len"],
-                    cuda_graphs=vals["cuda_graphs"], capsule_dir=vals["capsule_dir"] or None,
+                    cuda_graphs=vals["cuda_graphs"], prefill_blocked=vals["prefill_blocked"],
+                    capsule_dir=vals["capsule_dir"] or None,
                     budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
         engine = Engine.load(vals["model_path"], seed=vals["seed"],
                              policy_dims=(vals["policy.obs_dim"], vals["policy.action_dim"]), **opts)

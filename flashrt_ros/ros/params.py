@@ -55,6 +55,8 @@ PARAMS = (
     Param("dtype", "float32", "model and state dtype", choices=DTYPES),
     Param("max_seq_len", 8192, "positions the state arena holds", lo=16, hi=1 << 20),
     Param("cuda_graphs", True, "replay decode as captured CUDA graphs (CUDA devices only)"),
+    Param("prefill_blocked", True, "x86 CPU, float32: prefill on a second, oneDNN-blocked copy of the projection "
+          "weights (faster prefill, twice their memory)"),
     Param("capsule_dir", "", "folder of the disk tier; capsules found there are loaded at configure"),
     Param("default_tier", "device", "tier of a Snapshot whose request leaves tier empty", read_only=False,
           choices=TIERS),
