@@ -8,13 +8,13 @@ stops there (PREEMPTED), reporting the tokens it made before.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 from ..action import Generate
 from ..errors import InvalidArgument, NotActive, Preempted
 from ..replay import journal as J
+from ..runtime import inputs
 
 
 def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> None:
@@ -24,9 +24,7 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
     n = goal.max_new_tokens
     if n < 0:
         raise InvalidArgument(f"max_new_tokens must be >= 0, got {n}")
-    temperature = float(goal.temperature)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidArgument(f"temperature must be a finite number >= 0 (0: greedy), got {goal.temperature}")
+    temperature = inputs.temperature(float(goal.temperature))
     seed = goal.seed if goal.seed >= 0 else None
     if not ids and engine.position == 0:
         raise InvalidArgument("empty prompt on an empty state: give a prompt or token_ids")

@@ -8,25 +8,23 @@ consistent, so a snapshot can slot in between any two of them.
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..capsule.errors import CapsuleError, CorruptCapsule
 from ..errors import FlashRTError, InvalidArgument, Preempted, shown
-from . import weights as weights_io
+from . import inputs, weights as weights_io
 from .arena import GROUPS, StateArena
 from .config import ModelConfig
 from .fairlock import FairRLock
 from .graph import Step
 from .history import DECODE, PREFILL, STEP, BoundaryLog, RollbackRing
+from .inputs import is_int
 from .models.qwen35 import Qwen35, state_specs
 from .projection import blocked_layout_serves
 
@@ -67,12 +65,12 @@ class Engine:
         if unknown:
             raise InvalidArgument(f"unknown engine options {unknown}; known: {sorted(_OPTIONS)}")
         opts = {**_OPTIONS, **options}
-        if not _is_int(max_seq_len) or max_seq_len < 1:
+        if not is_int(max_seq_len) or max_seq_len < 1:
             raise InvalidArgument(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype {dtype} is not supported ({', '.join(map(str, _DTYPES))})")
         for key, least in (("prefill_chunk", 1), ("decode_threads", 0), ("rollback_depth", 1)):
-            if not _is_int(opts[key]) or opts[key] < least:
+            if not is_int(opts[key]) or opts[key] < least:
                 raise InvalidArgument(f"{key} must be an int >= {least}, got {opts[key]!r}")
         if opts["budgets"] is not None and not isinstance(opts["budgets"], dict):
             raise InvalidArgument(f"budgets must be a dict of bytes per tier, got {opts['budgets']!r:.60}")
@@ -83,7 +81,7 @@ class Engine:
                 raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
         weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
         self.config = cfg
-        self.device = _checked_device(device)
+        self.device = inputs.device(device)
         self.dtype = dtype
         self.max_seq_len = int(max_seq_len)
         self.seeded_weights = tuple(seeded)
@@ -163,7 +161,7 @@ class Engine:
     def from_config(cls, cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, **options: Any) -> "Engine":
         """An engine with deterministic seeded weights (the embedded default uses ``ModelConfig.tiny()``)."""
-        _check_seed(seed)
+        inputs.check_seed(seed)
         return cls(cfg, weights_io.seeded_weights(cfg, seed), device=device, dtype=dtype,
                    max_seq_len=max_seq_len, seeded=tuple(weights_io.expected_shapes(cfg)), **options)
 
@@ -176,7 +174,7 @@ class Engine:
         ``mtp.*`` and policy weights absent from the checkpoint are seeded with ``seed``.
         ``policy_dims`` = (obs_dim, action_dim) overrides the checkpoint's policy heads.
         """
-        _check_seed(seed)
+        inputs.check_seed(seed)
         cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
         return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
 
@@ -277,7 +275,7 @@ class Engine:
 
     def prefill(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Append ``token_ids`` to the state, commit a boundary, return next-token logits [vocab]."""
-        ids = self._check_tokens(token_ids)
+        ids = inputs.token_ids(token_ids, self.config.vocab_size)
         with self._work():
             self._check_room(ids.numel())
             self._commit_prefill(ids.to(self.device))
@@ -357,20 +355,18 @@ class Engine:
         """
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise InvalidArgument(f"number of tokens must be an int >= 0, got {n!r}")
         n = int(n)
-        if not _is_int(sync_every) or sync_every < 0:
+        if not is_int(sync_every) or sync_every < 0:
             raise InvalidArgument(f"sync_every must be an int >= 0, got {sync_every!r}")
-        if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
-                or not math.isfinite(temperature) or temperature < 0):
-            raise InvalidArgument(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-            raise InvalidArgument(f"seed must be an int in [0, 2**63) or None, got {seed!r}")
+        temperature = inputs.temperature(temperature)
+        if seed is not None:
+            inputs.check_seed(seed)
         with self._lock:
             self._check_room(n)
             lineage = self._lineage
-        return self._stream(n, sync_every, lineage, float(temperature), seed)
+        return self._stream(n, sync_every, lineage, temperature, seed)
 
     def _stream(self, n: int, sync_every: int, lineage: int, temperature: float,
                 seed: int | None) -> Iterator[int]:
@@ -406,22 +402,7 @@ class Engine:
         cfg = self.config
         if not cfg.policy:
             raise InvalidArgument("this model has no policy heads (obs_dim = action_dim = 0)")
-        try:
-            given = torch.as_tensor(observation)
-            if given.is_floating_point() and not isinstance(observation, (torch.Tensor, np.ndarray)):
-                given = torch.as_tensor(observation, dtype=torch.float64)   # Python floats are doubles
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidArgument(f"observation is not a vector of numbers: {exc}") from None
-        if given.dtype == torch.bool or given.dtype.is_complex or given.dim() > 1:
-            raise InvalidArgument(f"observation must be a vector (1-D) of real numbers, got {given.dtype} "
-                                  f"of shape {tuple(given.shape)}")
-        if given.numel() != cfg.obs_dim:
-            raise InvalidArgument(f"observation has {given.numel()} values, the model expects obs_dim={cfg.obs_dim}")
-        if not torch.isfinite(given).all():
-            raise InvalidArgument("observation contains NaN or infinity")
-        obs = given.to(torch.float32).flatten()
-        if not torch.isfinite(obs).all():
-            raise InvalidArgument(f"observation value {given.abs().max().item():.3g} is out of float32's range")
+        obs = inputs.observation(observation, cfg.obs_dim)
         with self._work(step=True):
             self._check_room(1)
             try:
@@ -542,7 +523,7 @@ class Engine:
         with self._work():
             if to_position is not None:
                 return self._rollback_to(to_position)
-            if not _is_int(steps) or steps < 0:
+            if not is_int(steps) or steps < 0:
                 raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {steps!r}")
             steps = int(steps)
             kept = len(self._ring.entries) - 1
@@ -563,7 +544,7 @@ class Engine:
             self._base = (self._base[0], min(self._base[1], entry.position))
 
     def _rollback_to(self, target: int) -> int:
-        if not _is_int(target) or not 0 <= target <= self._position:
+        if not is_int(target) or not 0 <= target <= self._position:
             raise InvalidCapsuleRequest(f"to_position must be an int in [0, {self._position}], got {target!r}")
         target = int(target)
         logged = BoundaryLog(self._log.snapshot())
@@ -651,27 +632,6 @@ class Engine:
                 self._commit_step(observations[row])
 
     # ---- checks --------------------------------------------------------------------------------
-    def _check_tokens(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        try:
-            ids = torch.as_tensor(token_ids)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidArgument(f"token ids must be a sequence of ints: {exc}") from None
-        if ids.numel() == 0:
-            raise InvalidArgument("token ids are empty")
-        if ids.dim() > 1:   # a batch ([[...], [...]]) flattened would be one long prompt
-            raise InvalidArgument(f"token ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
-            raise InvalidArgument(f"token ids must be integers, got dtype {ids.dtype}")
-        if isinstance(token_ids, (list, tuple)) and any(isinstance(t, bool) for t in token_ids):
-            raise InvalidArgument("token ids must be integers, got a bool among them")   # True would be id 1
-        ids = ids.flatten().to(torch.int64)
-        bad = (ids < 0) | (ids >= self.config.vocab_size)
-        if bad.any():
-            first = int(ids[bad][0])
-            raise InvalidArgument(
-                f"token id {first} is out of range [0, {self.config.vocab_size}) ({int(bad.sum())} bad ids)")
-        return ids
-
     def _check_room(self, n: int) -> None:
         if self._position + n > self.max_seq_len:
             raise InvalidArgument(
@@ -688,28 +648,3 @@ def _handed_out(t: torch.Tensor) -> torch.Tensor:
     inference tensors, which refuse in-place changes (``logits.div_(t)``) outside it."""
     with torch.inference_mode(False):
         return t.clone()
-
-
-def _checked_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise InvalidArgument(f"device must be 'cpu', 'cuda' or 'cuda:N', got {shown(device)}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidArgument(f"device {dev} asked for, but this torch build sees no CUDA device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise InvalidArgument(f"device {dev}: there are {torch.cuda.device_count()} CUDA devices")
-    elif dev.type != "cpu":
-        raise InvalidArgument(f"device {dev}: this engine runs on 'cpu' or 'cuda'")
-    return dev
-
-
-def _check_seed(seed: Any) -> None:
-    if not _is_int(seed) or not 0 <= seed < 2**63:   # it names the seeded weights: 1.5 and "1.5" are not seeds
-        raise InvalidArgument(f"seed must be an int in [0, 2**63), got {shown(seed)}")
-
-
-def _is_int(value: Any) -> bool:
-    """An int, NumPy's included; never a bool (True is 1 to Python, and a mistake here)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

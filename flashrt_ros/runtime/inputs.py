@@ -1,0 +1,88 @@
+"""What the engine's public calls accept: each check turns a caller's argument into the
+value the engine uses, or raises InvalidArgument naming the problem, before any state changes."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument, shown
+
+
+def is_int(value: Any) -> bool:
+    """An int, NumPy's included; never a bool (True is 1 to Python, and a mistake here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def token_ids(given: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """One sequence of ids in [0, vocab_size), as int64 [n]."""
+    try:
+        ids = torch.as_tensor(given)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidArgument(f"token ids must be a sequence of ints: {exc}") from None
+    if ids.numel() == 0:
+        raise InvalidArgument("token ids are empty")
+    if ids.dim() > 1:   # a batch ([[...], [...]]) flattened would be one long prompt
+        raise InvalidArgument(f"token ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
+        raise InvalidArgument(f"token ids must be integers, got dtype {ids.dtype}")
+    if isinstance(given, (list, tuple)) and any(isinstance(t, bool) for t in given):
+        raise InvalidArgument("token ids must be integers, got a bool among them")   # True would be id 1
+    ids = ids.flatten().to(torch.int64)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        first = int(ids[bad][0])
+        raise InvalidArgument(f"token id {first} is out of range [0, {vocab_size}) ({int(bad.sum())} bad ids)")
+    return ids
+
+
+def observation(given: Sequence[float] | torch.Tensor, obs_dim: int) -> torch.Tensor:
+    """One vector of ``obs_dim`` finite reals, as float32 [obs_dim]."""
+    try:
+        values = torch.as_tensor(given)
+        if values.is_floating_point() and not isinstance(given, (torch.Tensor, np.ndarray)):
+            values = torch.as_tensor(given, dtype=torch.float64)   # Python floats are doubles
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidArgument(f"observation is not a vector of numbers: {exc}") from None
+    if values.dtype == torch.bool or values.dtype.is_complex or values.dim() > 1:
+        raise InvalidArgument(f"observation must be a vector (1-D) of real numbers, got {values.dtype} "
+                              f"of shape {tuple(values.shape)}")
+    if values.numel() != obs_dim:
+        raise InvalidArgument(f"observation has {values.numel()} values, the model expects obs_dim={obs_dim}")
+    if not torch.isfinite(values).all():
+        raise InvalidArgument("observation contains NaN or infinity")
+    obs = values.to(torch.float32).flatten()
+    if not torch.isfinite(obs).all():
+        raise InvalidArgument(f"observation value {values.abs().max().item():.3g} is out of float32's range")
+    return obs
+
+
+def device(given: str | torch.device) -> torch.device:
+    """A CPU, or a CUDA device this process can see."""
+    try:
+        dev = torch.device(given)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgument(f"device must be 'cpu', 'cuda' or 'cuda:N', got {shown(given)}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"device {dev} asked for, but this torch build sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidArgument(f"device {dev}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise InvalidArgument(f"device {dev}: this engine runs on 'cpu' or 'cuda'")
+    return dev
+
+
+def check_seed(seed: Any) -> None:
+    if not is_int(seed) or not 0 <= seed < 2**63:   # it names the seeded weights: 1.5 and "1.5" are not seeds
+        raise InvalidArgument(f"seed must be an int in [0, 2**63), got {shown(seed)}")
+
+
+def temperature(value: Any) -> float:
+    """Of sampling: a finite number >= 0, where 0 means greedy."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"temperature must be a finite number >= 0 (0: greedy), got {shown(value)}")
+    return float(value)
