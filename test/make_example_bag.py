@@ -21,8 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "OFF")
 if platform.machine().lower() in ("x86_64", "amd64"):
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")   # before anything imports torch
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")    # prefill's oneDNN products too
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")   # before anything imports torch; oneDNN follows
 
 
 def record(folder: Path, trees=("attempt-with-rollback",)) -> Path:

@@ -240,6 +240,19 @@ def test_a_refused_step_costs_no_rollback_history():
     assert engine.rollback(3) == 0   # all three steps back are still kept
 
 
+def test_an_engine_refused_for_memory_leaves_no_digest_thread_behind():
+    import threading
+
+    def digest_threads() -> int:
+        return sum(t.name == "capsule-digest" for t in threading.enumerate())
+
+    before = digest_threads()
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="does not fit"):
+            Engine.from_config(ModelConfig.tiny(), rollback_depth=10**9)   # the ring, built after the store
+    assert digest_threads() == before
+
+
 class _Interrupt(BaseException):
     """Stands in for Ctrl-C (or a fault) part-way through a commit."""
 

@@ -49,6 +49,13 @@ def test_observation_layout_uses_names_and_a_continuous_rotation():
     assert np.allclose(obs[17:20], [0, 1, 0], atol=1e-6) and np.allclose(obs[20:23], [-1, 0, 0], atol=1e-6)
 
 
+def test_a_joint_named_twice_counts_only_if_the_policy_reads_it():
+    from flashrt_ros.ros.observation import build_observation
+
+    merged = _joint_state([0.1] * 7 + [0.0, 0.5], names=JOINTS + ["gripper", "gripper"])   # two drivers' merge
+    assert build_observation(JOINTS, merged, _pose())[:7].tolist() == pytest.approx([0.1] * 7)
+
+
 @pytest.mark.parametrize("bad, why", [
     (lambda: (_joint_state([0] * 6, names=JOINTS[:6]), _pose()), "lacks joints"),
     (lambda: (_joint_state([0] * 7, velocities=[1.0]), _pose()), "velocities"),

@@ -39,3 +39,31 @@ def test_the_blocked_layout_is_an_option_and_both_give_the_same_tokens():
     prompt = list(range(5, 120))
     assert torch.allclose(on.prefill(prompt), off.prefill(prompt), atol=1e-4)
     assert on.generate(16) == off.generate(16)
+
+
+@needs_blocked
+def test_a_process_held_to_avx2_kernels_holds_onednn_there_too(tmp_path):
+    """A journal recorded with ATEN_CPU_CAPABILITY=avx2 must replay on any x86 machine, and
+    flashrt-replay sets only that variable: oneDNN, which picks its own kernels (its AVX-512
+    ones round differently on the bench model), must follow it in the recording process."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch\n"
+        "from flashrt_ros.runtime import Engine, ModelConfig\n"
+        "e = Engine.from_config(ModelConfig.bench(), max_seq_len=520)\n"
+        "e.prefill(torch.randint(0, 32768, (512,), generator=torch.Generator().manual_seed(0)))\n"
+        "print(os.environ.get('ONEDNN_MAX_CPU_ISA'), e.state_digest())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+
+    def run(**extra) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    implied = run(ATEN_CPU_CAPABILITY="avx2")
+    explicit = run(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    assert implied == ["AVX2", explicit[1]]

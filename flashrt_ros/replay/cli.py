@@ -26,9 +26,7 @@ from .session import engine_for
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
 # torch's x86 kernel levels, lowest first.
 X86_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
-# oneDNN (prefill's blocked products) picks its kernels by CPU on its own: capped at the same level.
-ONEDNN_ENV = "ONEDNN_MAX_CPU_ISA"
-ONEDNN_CAP = {"DEFAULT": "SSE41", "AVX2": "AVX2"}
+
 
 
 def main(argv: list[str] | None = None, rerun: bool = False) -> int:
@@ -96,8 +94,9 @@ def _rerun_at(wanted: str | None) -> None:
         return
     sys.stdout.flush()
     try:
+        # oneDNN follows (see cap_onednn_like_torch), as it did in the recording process.
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-                  {ONEDNN_ENV: ONEDNN_CAP[wanted], **os.environ, CAPABILITY_ENV: wanted.lower()})
+                  {**os.environ, CAPABILITY_ENV: wanted.lower()})
     except OSError as exc:   # replay here all the same: a mismatch will name both levels
         print(f"flashrt-replay: cannot restart at {wanted} kernels ({exc}); replaying at {current}", file=sys.stderr)
 

@@ -1,6 +1,7 @@
 """What a replay needs to rebuild the engine a session ran on."""
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,6 +13,7 @@ from ..capsule import TIERS
 from ..capsule.diskformat import path_for
 from ..errors import InvalidArgument
 from ..runtime import Engine
+from ..runtime.projection import ONEDNN_ENV
 
 VERSION = 1
 
@@ -36,6 +38,8 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # (AVX2 or AVX-512 on x86) and the two round differently (the committed bag,
             # recorded at AVX2, mismatched on an AVX-512 machine at its first snapshot).
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            # oneDNN's own cap, which follows torch's (cap_onednn_like_torch); shown on a mismatch.
+            "onednn_max_cpu_isa": os.environ.get(ONEDNN_ENV, ""),
             # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
             # Prefill's products on oneDNN's blocked weights, or torch.mm: they round differently.
@@ -66,8 +70,13 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
                          cuda_graphs=session.get("cuda_graphs", True),
                          static_shapes=session.get("fixed_shapes", False),
                          prefill_blocked=session.get("prefill_blocked", False))   # older sessions: torch.mm
+    if engine.prefill_blocked != session.get("prefill_blocked", False):   # only True can be refused here
+        engine.close()
+        raise InvalidArgument(f"the session ran prefill on oneDNN's blocked weights (an x86 CPU), which device "
+                              f"{device} here cannot: its products would round differently")
     for key in ("model_fingerprint", "layout_fingerprint"):
         if getattr(engine, key) != session[key]:
+            engine.close()
             raise InvalidArgument(f"the rebuilt engine's {key} differs from the recorded one: "
                                   f"different weights or layout ({session['model_path'] or 'embedded default'})")
     loaded = {c.id: c.digest for c in engine.capsules.list()}

@@ -24,8 +24,9 @@ def observation_size(joints: int) -> int:
 
 def build_observation(joint_names: Sequence[str], joint_state, pose_stamped) -> np.ndarray:
     """float32 vector of ``observation_size(len(joint_names))``; InvalidArgument if a message does not fit."""
-    twice = sorted(n for n, count in Counter(joint_state.name).items() if count > 1)
-    if twice:   # which of the two readings would be the joint's?
+    counts = Counter(joint_state.name)
+    twice = [n for n in joint_names if counts[n] > 1]
+    if twice:   # which of the two readings would be the joint's? (Others the policy never reads.)
         raise InvalidArgument(f"joint_states names joints more than once: {twice[:5]}")
     index = {name: i for i, name in enumerate(joint_state.name)}
     missing = [n for n in joint_names if n not in index]

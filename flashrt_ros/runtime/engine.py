@@ -26,7 +26,7 @@ from .graph import Step
 from .history import DECODE, PREFILL, STEP, BoundaryLog, RollbackRing
 from .inputs import is_int
 from .models.qwen35 import Qwen35, state_specs
-from .projection import blocked_layout_serves
+from .projection import blocked_layout_serves, cap_onednn_like_torch
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +95,23 @@ class Engine:
         with torch.inference_mode(False):
             try:
                 self._build(cfg, weights, opts)
-            except (torch.OutOfMemoryError, RuntimeError) as exc:
-                # The allocator's own error: a max_seq_len or rollback_depth too large for this memory.
-                if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+            except BaseException as exc:
+                if hasattr(self, "capsules"):   # its digest thread and device pool: a refusal keeps nothing
+                    self.capsules.close()
+                # The allocator's own error: the weights, their blocked copy or the state do not fit.
+                if not isinstance(exc, torch.OutOfMemoryError) and not (
+                        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
                     raise
-                raise InvalidArgument(f"the engine's state (max_seq_len={self.max_seq_len}, rollback_depth="
-                                      f"{opts['rollback_depth']}) does not fit in {self.device}'s memory: "
-                                      f"{str(exc).splitlines()[0][:200]}") from None
+                raise InvalidArgument(f"the engine does not fit in {self.device}'s memory (max_seq_len="
+                                      f"{self.max_seq_len}, rollback_depth={opts['rollback_depth']}, prefill_blocked="
+                                      f"{opts['prefill_blocked']}): {str(exc).splitlines()[0][:200]}") from None
 
     def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
         # Which products prefill runs on (see Projection): part of what a replay must match.
         self.prefill_blocked = bool(opts["prefill_blocked"]) and blocked_layout_serves(self.device, self.dtype)
+        if self.prefill_blocked:
+            cap_onednn_like_torch()
         self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, blocked=self.prefill_blocked)
         # The weights as given plus the dtype the engine computes in: the model keeps norms,
         # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it

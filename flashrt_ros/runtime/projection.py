@@ -13,6 +13,7 @@ first two).
 """
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -41,6 +42,21 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 _SLABS = (8, 4, 2)
+
+
+# torch's x86 kernel level (ATEN_CPU_CAPABILITY) -> the same cap for oneDNN, which picks its own.
+ONEDNN_ENV = "ONEDNN_MAX_CPU_ISA"
+ONEDNN_CAP = {"default": "SSE41", "avx2": "AVX2"}
+
+
+def cap_onednn_like_torch() -> None:
+    """A process that holds torch to AVX2 kernels (to record a journal any x86 machine can
+    replay) holds oneDNN there too; blocked products round differently at AVX-512. oneDNN
+    reads the variable once, at its first use, so this must come before the first blocked
+    weight is made."""
+    cap = ONEDNN_CAP.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
+    if cap is not None and ONEDNN_ENV not in os.environ and "DNNL_MAX_CPU_ISA" not in os.environ:
+        os.environ[ONEDNN_ENV] = cap
 
 
 def blocked_layout_serves(device: torch.device, dtype: torch.dtype) -> bool:
