@@ -32,10 +32,15 @@ def test_blocked_products_are_the_same_bytes_for_any_row_count_and_thread_count(
 
 
 def test_the_blocked_layout_is_an_option_and_both_give_the_same_tokens():
-    on = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
-    off = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, prefill_blocked=False)
+    wide = ModelConfig.tiny(hidden_size=512, intermediate_size=1024)   # the default's projections are too small
+    on = Engine.from_config(wide, max_seq_len=256)
+    off = Engine.from_config(wide, max_seq_len=256, prefill_blocked=False)
     assert off.prefill_blocked is False
     assert on.prefill_blocked == blocked_layout_serves(torch.device("cpu"), torch.float32)
+    assert all(b.gate_up.blocked is not None for b in on.model.blocks) == on.prefill_blocked
+    assert all(b.gate_up.blocked is None for b in off.model.blocks)
+    small = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    assert not small.prefill_blocked   # every projection under the size where blocking pays
     prompt = list(range(5, 120))
     assert torch.allclose(on.prefill(prompt), off.prefill(prompt), atol=1e-4)
     assert on.generate(16) == off.generate(16)

@@ -52,10 +52,12 @@ class Engine:
         policy steps); 0 (default) keeps torch's own. One-row projections spread their
         work over the threads (``projection.project``), so fewer threads mean a slower step.
       prefill_blocked: on an x86 CPU in float32, prefill multiplies by a second copy of
-        the projection weights in oneDNN's blocked layout (default True): prefill ran
-        1.35x as fast on the bench model, for twice the projection weights' memory (the
-        embedding and LM head are not copied). False keeps one copy. The two round
-        differently: a rollback replays with the engine's own setting.
+        the projection weights in oneDNN's blocked layout (default True; weights of
+        512 KiB and more, so not the embedded default's): prefill ran 1.35x as fast on
+        the bench model, for twice those weights' memory (the embedding and LM head are
+        not copied). False keeps one copy. The two round differently: a rollback replays
+        with the engine's own setting. ``engine.prefill_blocked`` says whether any
+        product runs on a blocked copy.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",
@@ -108,11 +110,13 @@ class Engine:
 
     def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
-        # Which products prefill runs on (see Projection): part of what a replay must match.
-        self.prefill_blocked = bool(opts["prefill_blocked"]) and blocked_layout_serves(self.device, self.dtype)
-        if self.prefill_blocked:
+        blocked = bool(opts["prefill_blocked"]) and blocked_layout_serves(self.device, self.dtype)
+        if blocked:
             cap_onednn_like_torch()
-        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, blocked=self.prefill_blocked)
+        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, blocked=blocked)
+        # Whether any of prefill's products runs on blocked weights (small ones never do; see
+        # Projection): they round differently, so a replay must match it.
+        self.prefill_blocked = self.model.has_blocked_products()
         # The weights as given plus the dtype the engine computes in: the model keeps norms,
         # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it
         # are not the same model (hashing the cast weights once let such a model's capsule in).

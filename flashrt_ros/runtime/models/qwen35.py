@@ -309,6 +309,13 @@ class Qwen35:
     def decode_span(self, position: int, fixed: bool) -> Span:
         return Span.fixed(self.rows, self.position) if fixed else Span.decode(position)
 
+    def has_blocked_products(self) -> bool:
+        """Whether some projection multiplies many rows on oneDNN's blocked copy (see Projection)."""
+        projections = [p for b in self.blocks for p in (b.in_proj, b.out_proj, b.gate_up, b.down)]
+        if self.mtp is not None:
+            projections += [self.mtp_fc, self.mtp_kv_proj]
+        return any(p.blocked is not None for p in projections)
+
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""
         tensors = [self.lm_head.w, self.final_norm]
