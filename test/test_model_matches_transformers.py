@@ -22,6 +22,8 @@ CONFIGS = {
         num_attention_heads=2, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32,
         linear_conv_kernel_dim=1),   # no conv state at all: its window slicing must still hold
+    # Projections of 512 KiB and more: prefill multiplies them on oneDNN's blocked copies (x86).
+    "wide_blocked_prefill": ModelConfig.tiny(vocab_size=300, hidden_size=512, intermediate_size=1024),
 }
 
 
