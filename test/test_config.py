@@ -76,6 +76,8 @@ def test_moe_variants_are_refused_until_supported(model_type):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}}, "rope_theta must be a finite number > 0"),
     ({"obs_dim": 2.5, "action_dim": 2}, "obs_dim must be an int"),
     ({"eos_token_id": [1, "x"]}, "eos_token_ids must be token ids"),
+    # The MTP layer would read the shared embedding, and the dedicated one be dropped unseen.
+    ({"mtp_use_dedicated_embeddings": True}, "mtp_use_dedicated_embeddings=true is not supported"),
 ])
 def test_bad_configs_name_the_problem(change, words):
     raw = ModelConfig.tiny().to_hf_config() | change

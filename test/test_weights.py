@@ -123,8 +123,45 @@ def test_broken_checkpoints_are_refused_with_the_reason(hf_dir, tmp_path, damage
 
 
 def test_missing_folder_is_refused(tmp_path):
-    with pytest.raises(CheckpointError, match="not a folder"):
-        Engine.from_pretrained(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="not a folder; from_pretrained reads a local folder"):
+        Engine.from_pretrained(tmp_path / "Qwen" / "Qwen3.5-0.8B")   # a Hub id is not downloaded
+
+
+def _copy(src, dst):
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+
+
+def test_generation_config_stop_tokens_join_the_configs(hf_dir, tmp_path):
+    """A chat release names its end-of-turn token only in generation_config.json."""
+    _copy(hf_dir, tmp_path)
+    own = Engine.from_pretrained(hf_dir).config.eos_token_ids
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, *own], "top_k": 20}))
+    assert Engine.from_pretrained(tmp_path).config.eos_token_ids == (*own, 299)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 298}))
+    assert Engine.from_pretrained(tmp_path).config.eos_token_ids == (*own, 298)
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", "unreadable"),
+    (json.dumps({"eos_token_id": "</s>"}), "must be a token id or a list"),
+    (json.dumps({"eos_token_id": [5, True]}), "must be a token id or a list"),
+    (json.dumps({"eos_token_id": 300}), "eos_token_ids must be token ids below vocab_size"),
+])
+def test_a_bad_generation_config_is_refused_by_name(hf_dir, tmp_path, content, words):
+    _copy(hf_dir, tmp_path)
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(CheckpointError, match=words) as info:
+        Engine.from_pretrained(tmp_path)
+    assert "generation_config.json" in str(info.value)
+
+
+def test_a_checkpoint_without_mtp_weights_warns_that_they_are_seeded(hf_dir, caplog):
+    """transformers drops mtp.* on load, so a model it saved (as hf_dir is) has none."""
+    with caplog.at_level("WARNING", logger="flashrt_ros.runtime.weights"):
+        engine = Engine.from_pretrained(hf_dir)
+    assert any(n.startswith("mtp.") for n in engine.seeded_weights)
+    assert any(r.levelname == "WARNING" and "no mtp.* weights" in r.getMessage() for r in caplog.records)
 
 
 def test_weights_equal_only_once_cast_to_the_compute_dtype_are_another_model():

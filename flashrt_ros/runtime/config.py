@@ -229,6 +229,10 @@ class ModelConfig:
             raise InvalidArgument(
                 f"num_hidden_layers={num_layers} but layer_types lists {len(layer_types)} layers")
 
+        if (text.get("mtp_num_hidden_layers", 1) != 0
+                and _json_bool(text.get("mtp_use_dedicated_embeddings", False), "mtp_use_dedicated_embeddings")):
+            raise InvalidArgument("mtp_use_dedicated_embeddings=true is not supported: this MTP layer reads the "
+                                  "model's own token embedding (every dense Qwen3.5 release sets it false)")
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))   # checked as ids
         hidden = _required(text, "hidden_size")

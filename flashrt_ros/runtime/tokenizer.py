@@ -6,6 +6,7 @@ the ``tokenizers`` library); without one it takes token ids only.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -41,7 +42,20 @@ class FileTokenizer:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:   # tokenizers raises bare Exceptions that name no file
             raise CheckpointError(f"{path}: not a readable tokenizer ({exc})") from None
-        self.eos_id = None  # the checkpoint config's eos_token_ids decide
+        # The turn's end as the tokenizer's own config names it (a chat release: <|im_end|>), besides
+        # the checkpoint config's eos_token_ids.
+        self.eos_id = self._config_eos(Path(path).with_name("tokenizer_config.json"))
+
+    def _config_eos(self, file: Path) -> int | None:
+        if not file.is_file():
+            return None
+        try:
+            eos = json.loads(file.read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{file}: unreadable ({exc})") from None
+        if isinstance(eos, dict):   # an AddedToken written out whole
+            eos = eos.get("content")
+        return self._tok.token_to_id(eos) if isinstance(eos, str) else None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

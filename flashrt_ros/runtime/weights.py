@@ -181,10 +181,19 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     """
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is not a folder")
+        hint = ("" if path.exists() else
+                "; from_pretrained reads a local folder: download a Hub model into one first "
+                "(e.g. `hf download Qwen/Qwen3.5-0.8B --local-dir DIR`)")
+        raise CheckpointError(f"checkpoint {path} is not a folder{hint}")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint {path} has no config.json")
     cfg = ModelConfig.from_json(path / "config.json")
+    extra_stops = _generation_stop_ids(path)
+    if extra_stops:
+        try:
+            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra_stops)))
+        except InvalidArgument as exc:
+            raise CheckpointError(f"{path / 'generation_config.json'}: {exc}") from None
     replaced_heads = False
     if policy_dims is not None:
         if not (isinstance(policy_dims, (tuple, list)) and len(policy_dims) == 2
@@ -225,11 +234,34 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     if required:
         shown = ", ".join(required[:5]) + (f" and {len(required) - 5} more" if len(required) > 5 else "")
         raise CheckpointError(f"checkpoint {path} is missing {len(required)} tensors: {shown}")
+    if any(n.startswith("mtp.") for n in missing):
+        # transformers drops mtp.* when it loads a Qwen3.5 model, so a fine-tune it saved has none.
+        log.warning("checkpoint %s has no mtp.* weights: the MTP layer runs on seeded ones (seed=%d); its KV "
+                    "in the state is then no draft model's, and speculative decoding would draft poorly",
+                    path, seed)
+    if any(n.startswith("policy.") for n in missing):
+        log.info("checkpoint %s has no policy heads; seeding them (seed=%d)", path, seed)
     if missing:
-        log.info("checkpoint %s has no %s; seeding them (seed=%d)", path,
-                 sorted({n.split('.')[0] for n in missing}), seed)
         weights |= seeded_weights(cfg, seed, missing)
     return cfg, weights, missing
+
+
+def _generation_stop_ids(path: Path) -> tuple[int, ...]:
+    """``generation_config.json``'s eos_token_id: a chat release ends its turns with a token
+    (Qwen3.5's <|im_end|>) that config.json does not name; without it, generation ran on
+    past the answer and made up the next turns."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc})") from None
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
