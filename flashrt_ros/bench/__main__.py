@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from . import capsules, charts, reuse, runtime
-from .common import machine
+from .common import code_version, machine, verdict_line
 
 
 def _ros_services(calls: int):
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         ("reuse", lambda: reuse.run(prefixes, 1 if args.quick else 2, args.device)),
         ("ros_services", lambda: _ros_services(50 if args.quick else 400)),
     ]
-    results: dict = {"machine": machine(), "device": args.device, "started": time.time(), "seconds": {}}
+    results: dict = {"machine": machine(), "device": args.device, "code": code_version(), "started": time.time(),
+                     "seconds": {}}
     progress = tqdm(sections, desc="make bench", unit="section", position=0)
     for name, fn in progress:
         progress.set_description(f"make bench: {name}")
@@ -72,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     results["checks"] = checks
     (out / "results.json").write_text(json.dumps(results, indent=2))
 
-    print(f"\n== summary ({where})")
+    print(f"\n== summary ({where}; code {results['code']})")
     for c in checks:
-        print(f"  {'PASS' if c['pass'] else 'MISS'}  {c['name']}: {c['value']:.3g} (target {c['target']})")
+        print(verdict_line(c))
     print(f"  {sum(c['pass'] for c in checks)} of {len(checks)} targets met; "
           f"{sum(results['seconds'].values()) / 60:.1f} minutes")
     for p in [out / "results.json", *pictures]:

@@ -7,7 +7,9 @@ import json
 import platform
 import random
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -102,9 +104,37 @@ def matmul_rate(device: torch.device, sizes: tuple[int, ...] = (1024, 2048), rou
 
 def verdict(name: str, value: float, target: float, higher_is_better: bool) -> dict:
     ok = value >= target if higher_is_better else value <= target
-    sign = ">=" if higher_is_better else "<="
-    print(f"  {'PASS' if ok else 'MISS'}  {name}: {value:.3g} (target {sign} {target})")
-    return {"name": name, "value": value, "target": target, "pass": ok}
+    check = {"name": name, "value": value, "target": target, "sign": ">=" if higher_is_better else "<=", "pass": ok}
+    print(verdict_line(check))
+    return check
+
+
+def verdict_line(check: dict) -> str:
+    return (f"  {'PASS' if check['pass'] else 'MISS'}  {check['name']}: {check['value']:.3g} "
+            f"(target {check['sign']} {check['target']})")
+
+
+def code_version() -> str:
+    """The commit the measured code came from, ``+dirty`` with uncommitted changes; "unknown"
+    outside a git checkout (a symlinked colcon install resolves into the checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: rounds, tokens and prompt lengths of 0 leave nothing to take a median of."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def bench_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
@@ -117,7 +147,7 @@ def bench_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None
     add_arguments(parser)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = run(args)
+    results = run(args) | {"code": code_version()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -125,4 +155,4 @@ def bench_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None
 
 def add_ttft_prefixes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft", default="2048,4096,8192,16384", help="prefix lengths, comma-separated",
-                        type=lambda text: tuple(int(x) for x in text.split(",")))
+                        type=lambda text: tuple(positive_int(x) for x in text.split(",")))

@@ -20,7 +20,7 @@ import torch
 
 from ..runtime import Engine, ModelConfig
 from ..runtime.weights import save_checkpoint, seeded_weights
-from .common import add_ttft_prefixes, bench_main, interleaved, machine, timed
+from .common import add_ttft_prefixes, bench_main, interleaved, machine, positive_int, timed
 
 SUFFIX = 64
 
@@ -96,7 +96,7 @@ def run(prefixes: tuple[int, ...] = (2048, 4096, 8192, 16384), rounds: int = 2, 
 
 def main() -> None:
     def options(parser) -> None:
-        parser.add_argument("--rounds", type=int, default=2)
+        parser.add_argument("--rounds", type=positive_int, default=2)
         add_ttft_prefixes(parser)
 
     bench_main(__doc__, options, lambda a: run(a.ttft, a.rounds, a.device))

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from .common import bench_main, machine, verdict
+from .common import bench_main, machine, positive_int, verdict
 
 TARGET_P50_MS, TARGET_P99_MS = 0.5, 2.0
 
@@ -220,7 +220,7 @@ def run(calls: int = 400) -> dict:
 
 
 def main() -> None:
-    bench_main(__doc__, lambda parser: parser.add_argument("--calls", type=int, default=400),
+    bench_main(__doc__, lambda parser: parser.add_argument("--calls", type=positive_int, default=400),
                lambda a: run(a.calls), device=False)
 
 

@@ -309,20 +309,22 @@ class Qwen35:
     def decode_span(self, position: int, fixed: bool) -> Span:
         return Span.fixed(self.rows, self.position) if fixed else Span.decode(position)
 
+    def projections(self) -> list[Projection]:
+        """Every weight product a boundary computes: each decode step streams all of them once."""
+        out = [p for b in self.blocks for p in (b.in_proj, b.out_proj, b.gate_up, b.down)]
+        if self.mtp is not None:
+            out += [self.mtp_fc, self.mtp_kv_proj]
+        return out + [self.lm_head]
+
     def has_blocked_products(self) -> bool:
         """Whether some projection multiplies many rows on oneDNN's blocked copy (see Projection)."""
-        projections = [p for b in self.blocks for p in (b.in_proj, b.out_proj, b.gate_up, b.down)]
-        if self.mtp is not None:
-            projections += [self.mtp_fc, self.mtp_kv_proj]
-        return any(p.blocked is not None for p in projections)
+        return any(p.blocked is not None for p in self.projections())
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""
-        tensors = [self.lm_head.w, self.final_norm]
+        tensors = [p.w for p in self.projections()] + [self.final_norm]
         for b in self.blocks:
-            tensors += [t for t in (b.ln_in, b.ln_post, b.gate_up.w, b.down.w, b.in_proj.w, b.out_proj.w, b.norm_a,
-                                    b.conv) if t is not None]
+            tensors += [t for t in (b.ln_in, b.ln_post, b.norm_a, b.conv) if t is not None]
         if self.mtp is not None:
-            tensors += [self.mtp_fc.w, self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in,
-                        self.mtp_kv_proj.w, self.mtp_k_norm]
+            tensors += [self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in, self.mtp_k_norm]
         return sum(t.numel() * t.element_size() for t in tensors) + self.embed[0].numel() * self.embed.element_size()

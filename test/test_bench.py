@@ -1,0 +1,45 @@
+"""The benchmarks run end to end with small arguments (their figures are not checked here:
+speed is measured by ``make bench``, not by tests) and report every target they promise."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flashrt_ros.bench import capsules, runtime
+from flashrt_ros.bench.common import code_version, positive_int
+
+
+def _finite(check: dict) -> bool:
+    return isinstance(check["value"], float) and math.isfinite(check["value"]) and check["sign"] in (">=", "<=")
+
+
+def test_capsule_benchmark_runs_with_short_prefixes():
+    """Prefixes shorter than the rollback section's 512-token prompt once overran the engine."""
+    result = capsules.run("cpu", rounds=1, prefixes=(64, 96))
+    names = [c["name"] for c in result["checks"]]
+    assert names == ["rollback bookkeeping / decode step"]   # no state of 1 MiB, no 2k or 16k prefix
+    assert all(_finite(c) for c in result["checks"])
+    assert [row["prefix"] for row in result["ttft"]] == [64, 96]
+    row = result["copies"][0]
+    assert row["position"] == 16 and row["digest_ratio"] > 0 and row["snapshot_ratio"] > 0
+
+
+def test_runtime_benchmark_runs_and_reports_the_decode_floor():
+    result = runtime.run("cpu", prompt=16, tokens=2, rounds=1)
+    assert [c["name"] for c in result["checks"]] == [
+        "decode speed-up over transformers", "decode time / bandwidth limit", "prefill speed-up over transformers"]
+    assert all(_finite(c) for c in result["checks"])
+    # Reading the weights alone cannot beat the limit by much: both stream the same bytes.
+    assert result["decode_floor"] > 0.5
+
+
+def test_rounds_and_lengths_must_be_positive():
+    assert positive_int("3") == 3
+    with pytest.raises(Exception, match="at least 1"):
+        positive_int("0")
+
+
+def test_results_say_which_code_made_them():
+    version = code_version()
+    assert version == "unknown" or len(version.removesuffix("+dirty")) == 40
