@@ -79,7 +79,7 @@ REQ_HASH := $(shell cat $(REQ_FILES) | sha256sum | cut -c1-16)
 VENV_STAMP := $(VENV)/.flashrt-setup-$(SETUP_KEY)-$(REQ_HASH)
 BUILD_STAMP := install/.flashrt-built
 BUILD_INPUTS := package.xml CMakeLists.txt $(shell find msg srv action cmake \
-  flashrt_ros launch config data scripts -name __pycache__ -prune -o -print 2>/dev/null)
+  flashrt_ros launch config data scripts src -name __pycache__ -prune -o -print 2>/dev/null)
 
 # Environment of every command that uses the installed package.
 define ACTIVATE

@@ -11,7 +11,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 
@@ -35,6 +35,13 @@ def runtime_requirements() -> list[str]:
     return reqs
 
 
+# Decode's one-row product kernel, loaded with ctypes (flashrt_ros/runtime/row_product.py), so it is
+# built like an extension but defines no Python module. Optional: without a C compiler the
+# install still succeeds and decode runs on torch's products.
+ROW_PRODUCT = Extension("flashrt_ros.runtime._row_product", sources=["src/row_product.c"],
+                        extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"],
+                        extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
+
 setup(
     name="flashrt_ros",
     version=package_version(),
@@ -42,4 +49,5 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["flashrt_ros", "flashrt_ros.runtime*", "flashrt_ros.capsule*"]),
     install_requires=runtime_requirements(),
+    ext_modules=[ROW_PRODUCT],
 )

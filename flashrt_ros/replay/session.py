@@ -44,6 +44,8 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
             # Prefill's products on oneDNN's blocked weights, or torch.mm: they round differently.
             "prefill_blocked": engine.prefill_blocked,
+            # One-row products on the C kernel, or torch's slab products: they round differently.
+            "decode_native": engine.decode_native,
             # Disk capsules found in capsule_dir at start: the session may restore them.
             "capsule_dir": str(store.dir or ""),
             "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
@@ -69,11 +71,17 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
                          spill=session["spill"], capsule_dir=capsule_dir,
                          cuda_graphs=session.get("cuda_graphs", True),
                          static_shapes=session.get("fixed_shapes", False),
-                         prefill_blocked=session.get("prefill_blocked", False))   # older sessions: torch.mm
+                         prefill_blocked=session.get("prefill_blocked", False),   # older sessions: torch.mm
+                         decode_native=session.get("decode_native", False))   # older: torch's slab products
     if engine.prefill_blocked != session.get("prefill_blocked", False):   # only True can be refused here
         engine.close()
         raise InvalidArgument(f"the session ran prefill on oneDNN's blocked weights (an x86 CPU), which device "
                               f"{device} here cannot: its products would round differently")
+    if engine.decode_native != session.get("decode_native", False):   # likewise
+        engine.close()
+        raise InvalidArgument(f"the session ran one-row products on the C kernel of flashrt_ros.runtime.row_product, "
+                              f"which is not built here or cannot serve device {device}: rebuild the package with a "
+                              f"C compiler (colcon build, or pip install .), or replay on a CPU")
     for key in ("model_fingerprint", "layout_fingerprint"):
         if getattr(engine, key) != session[key]:
             engine.close()

@@ -171,6 +171,7 @@ class FlashRTNode(LifecycleNode):
             raise InvalidArgument(f"device={device!r} but CUDA is not available (torch {torch.__version__})")
         opts = dict(device=device, dtype=getattr(torch, vals["dtype"]), max_seq_len=vals["max_seq_len"],
                     cuda_graphs=vals["cuda_graphs"], prefill_blocked=vals["prefill_blocked"],
+                    decode_native=vals["decode_native"],
                     capsule_dir=vals["capsule_dir"] or None,
                     budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
         engine = Engine.load(vals["model_path"], seed=vals["seed"],

@@ -26,14 +26,14 @@ from .graph import Step
 from .history import DECODE, PREFILL, STEP, BoundaryLog, RollbackRing
 from .inputs import is_int
 from .models.qwen35 import Qwen35, state_specs
-from .projection import blocked_layout_serves, cap_onednn_like_torch
+from .projection import blocked_layout_serves, cap_onednn_like_torch, native_rows_serve
 
 log = logging.getLogger(__name__)
 
 # float64 is there to check the arithmetic itself against a float64 reference.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OPTIONS = {"cuda_graphs": True, "static_shapes": False, "prefill_chunk": 512, "flush_denormal": True,
-            "decode_threads": 0, "prefill_blocked": True, "capsule_dir": None, "budgets": None, "spill": True,
+            "decode_threads": 0, "prefill_blocked": True, "decode_native": True, "capsule_dir": None, "budgets": None, "spill": True,
             "rollback_depth": 8}
 
 
@@ -58,6 +58,12 @@ class Engine:
         not copied). False keeps one copy. The two round differently: a rollback replays
         with the engine's own setting. ``engine.prefill_blocked`` says whether any
         product runs on a blocked copy.
+      decode_native: on a CPU in float32, one-row products (decode and policy steps) run
+        on the C kernel of ``runtime.row_product`` where it is built (default True):
+        the bench model's decode step took 0.8x the time of the torch fallback. Its
+        sums are the same on every machine and thread count; the fallback's round
+        otherwise, so a rollback or replay runs with the engine's own setting, and
+        ``engine.decode_native`` says which one runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",
@@ -78,7 +84,7 @@ class Engine:
             raise InvalidArgument(f"budgets must be a dict of bytes per tier, got {opts['budgets']!r:.60}")
         if opts["capsule_dir"] is not None and not isinstance(opts["capsule_dir"], (str, os.PathLike)):
             raise InvalidArgument(f"capsule_dir must be a path, got {opts['capsule_dir']!r:.60}")
-        for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill", "prefill_blocked"):
+        for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill", "prefill_blocked", "decode_native"):
             if not isinstance(opts[key], bool):   # bool("false") is True
                 raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
         weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
@@ -113,10 +119,14 @@ class Engine:
         blocked = bool(opts["prefill_blocked"]) and blocked_layout_serves(self.device, self.dtype)
         if blocked:
             cap_onednn_like_torch()
-        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, blocked=blocked)
+        native = bool(opts["decode_native"]) and native_rows_serve(self.device, self.dtype)
+        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, blocked=blocked,
+                            native_rows=native)
         # Whether any of prefill's products runs on blocked weights (small ones never do; see
-        # Projection): they round differently, so a replay must match it.
+        # Projection), and whether one-row products run on the C kernel: either way they round
+        # differently, so a replay must match both.
         self.prefill_blocked = self.model.has_blocked_products()
+        self.decode_native = self.model.has_native_rows()
         # The weights as given plus the dtype the engine computes in: the model keeps norms,
         # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it
         # are not the same model (hashing the cast weights once let such a model's capsule in).

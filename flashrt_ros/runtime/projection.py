@@ -1,9 +1,9 @@
 """The model's matrix products: ``x @ w`` with each weight kept in the layout its rows want.
 
 Decode multiplies one row, and on a CPU that streams the weight from memory:
-[in, out] row-major, cut into slabs, is the fastest layout found for it (see
-``project``). Prefill multiplies hundreds of rows, and there oneDNN's blocked
-layout runs 1.3-1.6x the GFLOP/s of ``torch.mm`` on the bench model's shapes
+[in, out] row-major is the layout for it, multiplied by the C kernel of
+``row_product`` where it is built (float32), else by slabs (see ``project``).
+Prefill multiplies hundreds of rows, and there oneDNN's blocked layout runs 1.3-1.6x the GFLOP/s of ``torch.mm`` on the bench model's shapes
 (2-core AVX-512 VM, fp32, measured side by side). A ``Projection`` keeps both
 where oneDNN serves (fp32 on an x86 CPU, weights of 512 KiB and more): twice the
 memory of those weights, for the prefill speed. A row's product comes out the same bytes
@@ -17,6 +17,8 @@ import os
 import platform
 
 import torch
+
+from . import row_product
 
 # The row count oneDNN is told to expect when it lays a weight out; the products
 # come out the same for any other count (see above), only a little slower.
@@ -71,18 +73,27 @@ def blocked_layout_serves(device: torch.device, dtype: torch.dtype) -> bool:
             and platform.machine().lower() in ("x86_64", "amd64"))
 
 
+def native_rows_serve(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether one-row products can run on the C kernel here (see ``row_product``)."""
+    return device.type == "cpu" and dtype == torch.float32 and row_product.available()
+
+
 class Projection:
-    """``x @ w`` for w [in, out]; many-row inputs go through ``blocked`` when there is one."""
+    """``x @ w`` for w [in, out]; many-row inputs go through ``blocked`` when there is one,
+    one-row inputs through the C kernel when ``partials`` is set (``native_rows``)."""
 
-    __slots__ = ("w", "blocked")
+    __slots__ = ("w", "blocked", "partials")
 
-    def __init__(self, w: torch.Tensor, blocked: bool = False) -> None:
+    def __init__(self, w: torch.Tensor, blocked: bool = False, native_rows: bool = False) -> None:
         self.w = w
         # oneDNN takes the weight as [out, in] and returns its own (opaque) tensor.
         self.blocked = (torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), _ROWS_HINT)
                         if blocked and w.numel() >= _MIN_BLOCKED else None)
+        self.partials = row_product.scratch(w.shape[1]) if native_rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.partials is not None:
+            return row_product.row_product(x, self.w, self.partials)
         if self.blocked is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, None, "none", [], "")
         return project(x, self.w)

@@ -73,10 +73,12 @@ class _Block:
 
 class _Cast:
     """Weights onto the device, in the compute dtype; ``blocked``: projections that prefill
-    multiplies also get oneDNN's many-row layout (see ``Projection``)."""
+    multiplies also get oneDNN's many-row layout; ``native_rows``: their one-row products
+    run on the C kernel (see ``Projection``)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, blocked: bool = False) -> None:
-        self.device, self.dtype, self.blocked = device, dtype, blocked
+    def __init__(self, device: torch.device, dtype: torch.dtype, blocked: bool = False,
+                 native_rows: bool = False) -> None:
+        self.device, self.dtype, self.blocked, self.native_rows = device, dtype, blocked, native_rows
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
@@ -87,7 +89,7 @@ class _Cast:
 
     def proj(self, *parts: torch.Tensor, many_rows: bool = True) -> Projection:
         """``many_rows``: prefill multiplies it (the LM head and the MTP draft layer it never does)."""
-        return Projection(self.t(*parts), blocked=self.blocked and many_rows)
+        return Projection(self.t(*parts), blocked=self.blocked and many_rows, native_rows=self.native_rows)
 
     def one_plus(self, w: torch.Tensor) -> torch.Tensor:
         return (1.0 + w.detach().float()).to(self.device)
@@ -130,9 +132,10 @@ class Qwen35:
     """The hybrid decoder. Build, then ``bind`` an arena; every forward writes state there."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_seq_len: int, blocked: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, max_seq_len: int, blocked: bool = False,
+                 native_rows: bool = False) -> None:
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        cast = _Cast(device, dtype, blocked)
+        cast = _Cast(device, dtype, blocked, native_rows)
         self.embed = cast(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         self.lm_head = cast.proj(head, many_rows=False)  # a second, transposed copy when tied: see _Block
@@ -319,6 +322,10 @@ class Qwen35:
     def has_blocked_products(self) -> bool:
         """Whether some projection multiplies many rows on oneDNN's blocked copy (see Projection)."""
         return any(p.blocked is not None for p in self.projections())
+
+    def has_native_rows(self) -> bool:
+        """Whether one-row products run on the C kernel (see row_product)."""
+        return any(p.partials is not None for p in self.projections())
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""

@@ -1,0 +1,75 @@
+"""``x @ w`` for one float32 row on a CPU, by the small C kernel in ``src/row_product.c``.
+
+A decode step multiplies one row by every weight matrix, so it streams the
+weights from memory once and is bound by how fast a product reads them. Neither
+torch's GEMV (one thread) nor a batched product over slabs of the weight (two
+threads, the fallback in ``projection.project``) reads as fast as a plain
+``sum`` over the same bytes: on the 2-core bench VM the slab products ran at
+15-18 GB/s against 25-35 GB/s for the sum, which left the decode step at 2.3x
+its bandwidth limit. The kernel reads within 10-15% of the sum's speed, and
+the bench model's decode step went from 15.1 to 11.9 ms (interleaved, 7 rounds).
+
+Its sums do not depend on the thread count or the CPU (see the C file): a
+journal recorded with it replays to the same bytes on any machine that has it.
+It is built by colcon (CMakeLists.txt) and by ``pip install`` (setup.py), and
+shares torch's OpenMP threads. Where it is not built, decode falls back to
+the slab products, which round differently: engines record which one they use
+(``Engine.decode_native``).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _load() -> tuple[Callable[..., None], int, ctypes.CDLL] | None:
+    # colcon installs it as _row_product.so beside this file; setuptools adds the ABI tag.
+    for path in sorted(Path(__file__).parent.glob("_row_product*.so")):
+        try:
+            lib = ctypes.CDLL(str(path))
+            fn = lib.flashrt_row_product
+        except (OSError, AttributeError) as exc:
+            log.warning("cannot load %s (%s): decode products fall back to torch", path, exc)
+            continue
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        fn.restype = None
+        return fn, lib.flashrt_row_product_slabs(), lib
+    return None
+
+
+_KERNEL = _load()
+
+
+def available() -> bool:
+    return _KERNEL is not None
+
+
+def use_portable_loop(on: bool) -> None:
+    """Run the kernel's portable loop even where its AVX2/FMA one serves (on x86), or go back:
+    to check that both give the same bytes."""
+    _KERNEL[2].flashrt_row_product_portable(int(on))
+
+
+def scratch(n: int) -> torch.Tensor:
+    """The partial rows one product of output width ``n`` needs (kept by its caller: one
+    allocation per weight, not per step)."""
+    if _KERNEL is None:
+        raise RuntimeError("the row-product kernel is not built")
+    return torch.empty(_KERNEL[1] * n, dtype=torch.float32)
+
+
+def row_product(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    """x [1, k] @ w [k, n], float32 on the CPU; w contiguous, ``partials`` from ``scratch(n)``.
+    The kernel runs without the interpreter lock (ctypes lets it go for the call)."""
+    fn = _KERNEL[0]
+    k, n = w.shape
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=torch.float32)
+    fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), partials.data_ptr(), k, n, torch.get_num_threads())
+    return y

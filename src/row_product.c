@@ -1,0 +1,86 @@
+/* y = x W for ONE float32 row x [k] and a row-major W [k, n]: the products of a decode step on
+ * a CPU (see flashrt_ros/runtime/row_product.py for why this is not left to BLAS).
+ *
+ * W is cut along k into SLABS slabs of consecutive rows. Each slab's partial row is one FMA
+ * chain per output, in row order; the partial rows are then added in slab order. The slab
+ * count is fixed, so the bytes of y depend neither on the thread count nor on the machine:
+ * fmaf rounds once wherever it runs (one instruction, or glibc's exact fallback), and the
+ * vector width only changes how many outputs advance together, never any output's order.
+ * Threads take whole slabs: with two, each streams one contiguous half of W.
+ */
+#include <stddef.h>
+
+#define SLABS 8
+#define ROWS 8   /* rows folded into one pass over the partial row: it is read and written once per ROWS */
+
+/* The slab loop, written once and compiled twice on x86: for AVX2 with FMA, and for any x86-64
+ * (same bytes, slower); chosen at run time. (GCC's target_clones on a static function
+ * called from an OpenMP region ran the generic copy: measured 8x slower.) */
+#define SLAB_PRODUCT(NAME, ATTRIBUTES)                                                          \
+    ATTRIBUTES static void NAME(const float *restrict x, const float *restrict w,               \
+                                float *restrict partial, long rows, long n) {                   \
+        for (long j = 0; j < n; j++)                                                            \
+            partial[j] = 0.0f;                                                                  \
+        long i = 0;                                                                             \
+        for (; i + ROWS <= rows; i += ROWS) {                                                   \
+            const float *restrict block = w + i * n;                                            \
+            float xs[ROWS];                                                                     \
+            for (int r = 0; r < ROWS; r++)                                                      \
+                xs[r] = x[i + r];                                                               \
+            _Pragma("omp simd")                                                                 \
+            for (long j = 0; j < n; j++) {                                                      \
+                float acc = partial[j];                                                         \
+                _Pragma("GCC unroll 8")                                                         \
+                for (int r = 0; r < ROWS; r++)                                                  \
+                    acc = __builtin_fmaf(xs[r], block[r * n + j], acc);                         \
+                partial[j] = acc;                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (; i < rows; i++) {                                                                 \
+            const float xi = x[i];                                                              \
+            const float *restrict row = w + i * n;                                              \
+            _Pragma("omp simd")                                                                 \
+            for (long j = 0; j < n; j++)                                                        \
+                partial[j] = __builtin_fmaf(xi, row[j], partial[j]);                            \
+        }                                                                                       \
+    }
+
+typedef void (*slab_fn)(const float *, const float *, float *, long, long);
+
+SLAB_PRODUCT(slab_portable, )
+#if defined(__x86_64__) && defined(__GNUC__)
+SLAB_PRODUCT(slab_fma, __attribute__((target("avx2,fma"))))
+
+static slab_fn pick_slab(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? slab_fma : slab_portable;
+}
+#else
+static slab_fn pick_slab(void) { return slab_portable; }
+#endif
+
+/* ``partials`` is scratch of SLABS * n floats; ``threads`` >= 1. */
+static slab_fn slab_product;   /* set on first use; a benign race: every caller picks the same */
+
+/* Run the portable loop even where the FMA one serves (on != 0), or pick again: for the test
+ * that both give the same bytes. */
+void flashrt_row_product_portable(int on) { slab_product = on ? slab_portable : pick_slab(); }
+
+void flashrt_row_product(const float *x, const float *w, float *y, float *partials, long k, long n,
+                         int threads) {
+    if (!slab_product)
+        slab_product = pick_slab();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int s = 0; s < SLABS; s++) {
+        const long first = s * k / SLABS, last = (s + 1) * k / SLABS;
+        slab_product(x + first, w + first * n, partials + s * n, last - first, n);
+    }
+    for (long j = 0; j < n; j++) {
+        float sum = partials[j];
+        for (int s = 1; s < SLABS; s++)
+            sum += partials[s * n + j];
+        y[j] = sum;
+    }
+}
+
+int flashrt_row_product_slabs(void) { return SLABS; }

@@ -1,0 +1,84 @@
+"""Decode's one-row products on the package's C kernel (src/row_product.c): the same bytes for
+every thread count and vector path, close to float64, and recorded for replays."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrt_ros.errors import InvalidArgument
+from flashrt_ros.replay.session import engine_for, session_of
+from flashrt_ros.runtime import Engine, ModelConfig, row_product
+from flashrt_ros.runtime.projection import Projection, project
+
+
+def test_the_build_installs_the_kernel():
+    """colcon builds it (CMakeLists.txt); without it decode would silently be the slower fallback."""
+    assert row_product.available()
+
+
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return row_product.row_product(x, w, row_product.scratch(w.shape[1]))
+
+
+@pytest.mark.parametrize("k, n", [(512, 1552), (1536, 512), (64, 32768), (13, 7), (5, 1), (3, 40)])
+def test_products_are_the_same_bytes_for_any_thread_count_and_close_to_float64(k, n):
+    gen = torch.Generator().manual_seed(k * n)
+    w, x = torch.randn(k, n, generator=gen), torch.randn(1, k, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outs.append(_product(x, w))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs)
+    exact = x.double() @ w.double()
+    # Eight partial sums of FMA chains: at least as close to float64 as torch's own product.
+    assert (outs[0].double() - exact).abs().max() <= 1.5 * ((x @ w).double() - exact).abs().max() + 1e-6
+
+
+def test_the_portable_loop_gives_the_bytes_of_the_vector_one():
+    """What makes a journal replay exactly on a machine without AVX2 (or on ARM): fmaf rounds
+    once wherever it runs, and no output's order depends on the vector width."""
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(1000, 300, generator=gen), torch.randn(1, 1000, generator=gen)
+    fast = _product(x, w)
+    row_product.use_portable_loop(True)
+    try:
+        portable = _product(x, w)
+    finally:
+        row_product.use_portable_loop(False)
+    assert torch.equal(fast, portable)
+
+
+def test_projections_use_it_for_one_row_only():
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(256, 96, generator=gen), torch.randn(4, 256, generator=gen)
+    proj = Projection(w, native_rows=True)
+    assert torch.equal(proj(x[:1]), _product(x[:1], w))
+    assert torch.equal(proj(x), project(x, w))   # many rows: torch's product, as before
+
+
+def test_engines_run_decode_on_it_where_it_serves_and_record_it():
+    cfg = ModelConfig.tiny()
+    native, fallback = Engine.from_config(cfg, max_seq_len=256), Engine.from_config(cfg, max_seq_len=256,
+                                                                                       decode_native=False)
+    assert native.decode_native and not fallback.decode_native
+    assert not Engine.from_config(cfg, max_seq_len=64, dtype=torch.bfloat16).decode_native
+    with pytest.raises(InvalidArgument, match="decode_native must be True or False"):
+        Engine.from_config(cfg, max_seq_len=64, decode_native="yes")
+    for engine in (native, fallback):
+        engine.prefill(list(range(1, 40)))
+    # Two products that round differently, the same greedy tokens on the default model.
+    assert native.generate(32) == fallback.generate(32)
+    assert torch.allclose(native.logits(), fallback.logits(), atol=1e-5)
+    assert session_of(native, "", 0)["decode_native"] is True
+    assert engine_for(session_of(fallback, "", 0)).decode_native is False   # and older sessions, which lack it
+
+
+def test_a_session_recorded_on_the_kernel_is_refused_where_it_is_not_built(monkeypatch):
+    session = session_of(Engine.from_config(ModelConfig.tiny(), max_seq_len=64), "", 0)
+    monkeypatch.setattr(row_product, "_KERNEL", None)   # as on a machine where it was not built
+    with pytest.raises(InvalidArgument, match="not built here"):
+        engine_for(session)
