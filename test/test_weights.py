@@ -133,20 +133,26 @@ def _copy(src, dst):
 
 
 def test_generation_config_stop_tokens_join_the_configs(hf_dir, tmp_path):
-    """A chat release names its end-of-turn token only in generation_config.json."""
+    """A chat release names its end-of-turn token only in generation_config.json. They stop
+    generation and change no state: the model fingerprint, and every capsule and journal
+    recorded before the file appeared, stay valid."""
     _copy(hf_dir, tmp_path)
-    own = Engine.from_pretrained(hf_dir).config.eos_token_ids
+    before = Engine.from_pretrained(hf_dir)
+    own = before.config.eos_token_ids
+    assert before.stop_token_ids == own
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, *own], "top_k": 20}))
-    assert Engine.from_pretrained(tmp_path).config.eos_token_ids == (*own, 299)
+    after = Engine.from_pretrained(tmp_path)
+    assert after.stop_token_ids == (*own, 299)
+    assert after.model_fingerprint == before.model_fingerprint and after.config == before.config
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 298}))
-    assert Engine.from_pretrained(tmp_path).config.eos_token_ids == (*own, 298)
+    assert Engine.from_pretrained(tmp_path).stop_token_ids == (*own, 298)
 
 
 @pytest.mark.parametrize("content, words", [
     ("{not json", "unreadable"),
-    (json.dumps({"eos_token_id": "</s>"}), "must be a token id or a list"),
-    (json.dumps({"eos_token_id": [5, True]}), "must be a token id or a list"),
-    (json.dumps({"eos_token_id": 300}), "eos_token_ids must be token ids below vocab_size"),
+    (json.dumps({"eos_token_id": "</s>"}), "must be a token id below vocab_size=300 or a list"),
+    (json.dumps({"eos_token_id": [5, True]}), "must be a token id below vocab_size=300 or a list"),
+    (json.dumps({"eos_token_id": 300}), "must be a token id below vocab_size=300 or a list"),
 ])
 def test_a_bad_generation_config_is_refused_by_name(hf_dir, tmp_path, content, words):
     _copy(hf_dir, tmp_path)

@@ -32,7 +32,7 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
     if len(ids) + n > room:
         raise InvalidArgument(f"{len(ids)} prompt + {n} new tokens exceed the {room} positions left "
                               f"(max_seq_len={engine.max_seq_len}, position={engine.position})")
-    eos = set(engine.config.eos_token_ids) | {getattr(node.tokenizer, "eos_id", None)}
+    eos = set(engine.stop_token_ids) | {getattr(node.tokenizer, "eos_id", None)}
     start = time.perf_counter()
     with engine.lock:
         # Asked again once the lock is ours: a goal that waited for it may have been canceled,

@@ -93,6 +93,9 @@ class Engine:
         self.dtype = dtype
         self.max_seq_len = int(max_seq_len)
         self.seeded_weights = tuple(seeded)
+        # Where generation stops (the tokenizer may add its own eos): from_pretrained adds
+        # generation_config.json's.
+        self.stop_token_ids: tuple[int, ...] = cfg.eos_token_ids
         self._prefill_chunk = int(opts["prefill_chunk"])
         self._flush_denormal = bool(opts["flush_denormal"]) and self.device.type == "cpu"
         self._decode_threads = int(opts["decode_threads"]) if self.device.type == "cpu" else 0
@@ -195,7 +198,10 @@ class Engine:
         """
         inputs.check_seed(seed)
         cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
-        return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
+        stops = weights_io.stop_token_ids(path, cfg)
+        engine = cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
+        engine.stop_token_ids = stops
+        return engine
 
     @classmethod
     def load(cls, model_path: str | Path | None = None, *, seed: int = 0,

@@ -43,7 +43,7 @@ class FileTokenizer:
         except Exception as exc:   # tokenizers raises bare Exceptions that name no file
             raise CheckpointError(f"{path}: not a readable tokenizer ({exc})") from None
         # The turn's end as the tokenizer's own config names it (a chat release: <|im_end|>), besides
-        # the checkpoint config's eos_token_ids.
+        # the engine's stop_token_ids.
         self.eos_id = self._config_eos(Path(path).with_name("tokenizer_config.json"))
 
     def _config_eos(self, file: Path) -> int | None:

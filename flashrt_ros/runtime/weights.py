@@ -188,12 +188,6 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint {path} has no config.json")
     cfg = ModelConfig.from_json(path / "config.json")
-    extra_stops = _generation_stop_ids(path)
-    if extra_stops:
-        try:
-            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra_stops)))
-        except InvalidArgument as exc:
-            raise CheckpointError(f"{path / 'generation_config.json'}: {exc}") from None
     replaced_heads = False
     if policy_dims is not None:
         if not (isinstance(policy_dims, (tuple, list)) and len(policy_dims) == 2
@@ -246,22 +240,24 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     return cfg, weights, missing
 
 
-def _generation_stop_ids(path: Path) -> tuple[int, ...]:
-    """``generation_config.json``'s eos_token_id: a chat release ends its turns with a token
-    (Qwen3.5's <|im_end|>) that config.json does not name; without it, generation ran on
-    past the answer and made up the next turns."""
-    file = path / "generation_config.json"
+def stop_token_ids(path: str | Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """The config's eos ids and ``generation_config.json``'s: a chat release ends its turns with
+    a token (Qwen3.5's <|im_end|>) that config.json does not name; without it, generation ran
+    on past the answer and made up the next turns. Kept out of the config: they change no
+    state, so they must not change the model fingerprint (and with it every capsule's)."""
+    file = Path(path) / "generation_config.json"
     if not file.is_file():
-        return ()
+        return cfg.eos_token_ids
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: unreadable ({exc})") from None
     eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return tuple(ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size for i in ids):
+        raise CheckpointError(f"{file}: eos_token_id must be a token id below vocab_size={cfg.vocab_size} or a "
+                              f"list of them, got {eos!r}")
+    return tuple(dict.fromkeys(cfg.eos_token_ids + tuple(ids)))
 
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
