@@ -39,7 +39,7 @@ def runtime_requirements() -> list[str]:
 # built like an extension but defines no Python module. Optional: without a C compiler the
 # install still succeeds and decode runs on torch's products.
 ROW_PRODUCT = Extension("flashrt_ros.runtime._row_product", sources=["src/row_product.c"],
-                        extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"],
+                        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
                         extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
 
 setup(

@@ -52,6 +52,39 @@ def test_the_portable_loop_gives_the_bytes_of_the_vector_one():
     assert torch.equal(fast, portable)
 
 
+def test_flush_to_zero_of_the_calling_thread_holds_in_every_thread():
+    """The engine sets flush-to-zero on the thread that runs a step; OpenMP's threads were made
+    before and keep their own mode. Products of tiny values (here 1e-40, denormal) must come
+    out the same whichever thread took their slab. 1024 rows a slab: a slab's sum of them is
+    a normal float, which the thread summing the slabs does not flush."""
+    w = torch.full((8192, 8), 1e-20)
+    x = torch.full((1, 8192), 1e-20)
+    threads = torch.get_num_threads()
+    torch.set_flush_denormal(True)
+    try:
+        outs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outs.append(_product(x, w))
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs)
+    assert _product(x, w).abs().max() > 0   # without it the tiny products add up
+
+
+def test_wrong_tensors_are_refused_before_the_kernel_touches_them():
+    w, scratch = torch.randn(16, 4), row_product.scratch(4)
+    for x, words in [(torch.randn(1, 16, dtype=torch.bfloat16), "float32 CPU"), (torch.randn(2, 16), "one row"),
+                     (torch.randn(1, 1, 16), "one row"), (torch.randn(1, 15), "one row")]:
+        with pytest.raises(ValueError, match=words):
+            row_product.row_product(x, w, scratch)
+    with pytest.raises(ValueError, match="contiguous"):
+        row_product.row_product(torch.randn(1, 4), w.t(), scratch)
+    with pytest.raises(ValueError, match="scratch"):
+        row_product.row_product(torch.randn(1, 16), w, torch.empty(4))
+
+
 def test_projections_use_it_for_one_row_only():
     gen = torch.Generator().manual_seed(2)
     w, x = torch.randn(256, 96, generator=gen), torch.randn(4, 256, generator=gen)
@@ -73,8 +106,13 @@ def test_engines_run_decode_on_it_where_it_serves_and_record_it():
     # Two products that round differently, the same greedy tokens on the default model.
     assert native.generate(32) == fallback.generate(32)
     assert torch.allclose(native.logits(), fallback.logits(), atol=1e-5)
-    assert session_of(native, "", 0)["decode_native"] is True
-    assert engine_for(session_of(fallback, "", 0)).decode_native is False   # and older sessions, which lack it
+    recorded = session_of(native, "", 0)
+    assert recorded["decode_native"] is True and recorded["row_product"] == row_product.version() != ""
+    assert engine_for(session_of(fallback, "", 0)).decode_native is False
+    older = {k: v for k, v in recorded.items() if k not in ("decode_native", "row_product")}
+    assert engine_for(older).decode_native is False   # recorded before the kernel: the fallback's products
+    with pytest.raises(InvalidArgument, match="their products may round differently"):
+        engine_for(recorded | {"row_product": "0.4"})
 
 
 def test_a_session_recorded_on_the_kernel_is_refused_where_it_is_not_built(monkeypatch):

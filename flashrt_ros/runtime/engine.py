@@ -123,6 +123,9 @@ class Engine:
         if blocked:
             cap_onednn_like_torch()
         native = bool(opts["decode_native"]) and native_rows_serve(self.device, self.dtype)
+        if opts["decode_native"] and not native and self.device.type == "cpu" and self.dtype == torch.float32:
+            log.warning("the row-product kernel (src/row_product.c) is not built: decode runs on torch's slower "
+                        "products; build the package with a C compiler (colcon build, or pip install .)")
         self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, blocked=blocked,
                             native_rows=native)
         # Whether any of prefill's products runs on blocked weights (small ones never do; see

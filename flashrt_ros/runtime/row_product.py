@@ -28,18 +28,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _load() -> tuple[Callable[..., None], int, ctypes.CDLL] | None:
+def _load() -> tuple[Callable[..., None], int, ctypes.CDLL, int] | None:
     # colcon installs it as _row_product.so beside this file; setuptools adds the ABI tag.
     for path in sorted(Path(__file__).parent.glob("_row_product*.so")):
         try:
             lib = ctypes.CDLL(str(path))
-            fn = lib.flashrt_row_product
+            fn, version = lib.flashrt_row_product, lib.flashrt_row_product_version()
         except (OSError, AttributeError) as exc:
             log.warning("cannot load %s (%s): decode products fall back to torch", path, exc)
             continue
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
         fn.restype = None
-        return fn, lib.flashrt_row_product_slabs(), lib
+        return fn, lib.flashrt_row_product_slabs(), lib, version
     return None
 
 
@@ -48,6 +48,11 @@ _KERNEL = _load()
 
 def available() -> bool:
     return _KERNEL is not None
+
+
+def version() -> str:
+    """What decides the kernel's bytes (its version and slab count), for journals; "" when not built."""
+    return f"{_KERNEL[3]}.{_KERNEL[1]}" if _KERNEL is not None else ""
 
 
 def use_portable_loop(on: bool) -> None:
@@ -66,9 +71,21 @@ def scratch(n: int) -> torch.Tensor:
 
 def row_product(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
     """x [1, k] @ w [k, n], float32 on the CPU; w contiguous, ``partials`` from ``scratch(n)``.
-    The kernel runs without the interpreter lock (ctypes lets it go for the call)."""
+
+    The kernel runs without the interpreter lock (ctypes lets it go for the call), and
+    writes ``partials``: two threads must not share one at once (the engine's lock keeps
+    its steps apart). The checks cost about a microsecond; a wrong tensor would have the
+    kernel read or write past its memory.
+    """
     fn = _KERNEL[0]
     k, n = w.shape
+    for t in (x, w, partials):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"row_product takes float32 CPU tensors, got {t.dtype} on {t.device}")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
+        raise ValueError(f"row_product multiplies one row [1, {k}], got {tuple(x.shape)}")
+    if not w.is_contiguous() or partials.numel() < _KERNEL[1] * n:
+        raise ValueError("row_product needs a contiguous weight and partials from scratch(n)")
     x = x.contiguous()
     y = torch.empty(1, n, dtype=torch.float32)
     fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), partials.data_ptr(), k, n, torch.get_num_threads())
