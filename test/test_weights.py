@@ -1,7 +1,9 @@
 """Checkpoints: single-file, sharded and multimodal layouts load; broken ones are refused by name."""
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +207,16 @@ def test_a_tensor_stored_twice_is_refused_not_silently_replaced(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="stored twice"):
         Engine.from_pretrained(tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_the_engine_keeps_no_part_of_the_checkpoint_file_mapped(tmp_path):
+    """Every model tensor is the model's own copy: a tensor handed through from the file's memory
+    map (dt_bias was one: fp32 float() and to() return it as it is) kept the whole file mapped,
+    and resident, for as long as the engine lived."""
+    save_checkpoint(tmp_path, CFG, seeded_weights(CFG, seed=3))
+    engine = Engine.from_pretrained(tmp_path)
+    gc.collect()
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) in line]
+    assert not mapped, mapped
+    assert engine.prefill(PROMPT).shape == (CFG.vocab_size,)

@@ -125,7 +125,9 @@ def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: 
                   norm_a=cast(w[f"{a}norm.weight"]),
                   conv=cast(w[f"{a}conv1d.weight"][:, 0, :].t()),
                   neg_a=-w[f"{a}A_log"].float().exp().to(cast.device),
-                  dt_bias=w[f"{a}dt_bias"].float().to(cast.device))
+                  # A copy: float() and to() hand back the very tensor when it is fp32 on the device,
+                  # which from a checkpoint is the safetensors file's memory map, kept mapped for good.
+                  dt_bias=w[f"{a}dt_bias"].float().to(cast.device, copy=True))
 
 
 class Qwen35:
