@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 # float64 is there to check the arithmetic itself against a float64 reference.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OPTIONS = {"cuda_graphs": True, "static_shapes": False, "prefill_chunk": 512, "flush_denormal": True,
-            "decode_threads": 0, "prefill_blocked": True, "decode_native": True, "capsule_dir": None, "budgets": None, "spill": True,
-            "rollback_depth": 8}
+            "decode_threads": 0, "prefill_blocked": True, "decode_native": True, "capsule_dir": None, "budgets": None,
+            "spill": True, "rollback_depth": 8}
 
 
 class Engine:

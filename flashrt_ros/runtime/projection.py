@@ -3,13 +3,14 @@
 Decode multiplies one row, and on a CPU that streams the weight from memory:
 [in, out] row-major is the layout for it, multiplied by the C kernel of
 ``row_product`` where it is built (float32), else by slabs (see ``project``).
-Prefill multiplies hundreds of rows, and there oneDNN's blocked layout runs 1.3-1.6x the GFLOP/s of ``torch.mm`` on the bench model's shapes
-(2-core AVX-512 VM, fp32, measured side by side). A ``Projection`` keeps both
-where oneDNN serves (fp32 on an x86 CPU, weights of 512 KiB and more): twice the
-memory of those weights, for the prefill speed. A row's product comes out the same bytes
-whatever rows are multiplied with it, whatever the thread count and whatever
-row count the layout was made for (checked on the bench VM; a test keeps the
-first two).
+Prefill multiplies hundreds of rows, and there oneDNN's blocked layout runs
+1.3-1.6x the GFLOP/s of ``torch.mm`` on the bench model's shapes (2-core
+AVX-512 VM, fp32, measured side by side). A ``Projection`` keeps both where
+oneDNN serves (fp32 on an x86 CPU, weights of 512 KiB and more): twice the
+memory of those weights, for the prefill speed. A row's product on the blocked
+weights comes out the same bytes whatever rows are multiplied with it, whatever
+the thread count and whatever row count the layout was made for (checked on
+the bench VM; a test keeps the first two).
 """
 from __future__ import annotations
 
