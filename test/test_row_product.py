@@ -20,18 +20,23 @@ def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return row_product.row_product(x, w, row_product.scratch(w.shape[1]))
 
 
-@pytest.mark.parametrize("k, n", [(512, 1552), (1536, 512), (64, 32768), (13, 7), (5, 1), (3, 40)])
-def test_products_are_the_same_bytes_for_any_thread_count_and_close_to_float64(k, n):
-    gen = torch.Generator().manual_seed(k * n)
-    w, x = torch.randn(k, n, generator=gen), torch.randn(1, k, generator=gen)
+def _at_thread_counts(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
     threads = torch.get_num_threads()
     try:
         outs = []
         for count in (1, 2, 3):
             torch.set_num_threads(count)
             outs.append(_product(x, w))
+        return outs
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("k, n", [(512, 1552), (1536, 512), (64, 32768), (13, 7), (5, 1), (3, 40)])
+def test_products_are_the_same_bytes_for_any_thread_count_and_close_to_float64(k, n):
+    gen = torch.Generator().manual_seed(k * n)
+    w, x = torch.randn(k, n, generator=gen), torch.randn(1, k, generator=gen)
+    outs = _at_thread_counts(x, w)
     assert all(torch.equal(outs[0], out) for out in outs)
     exact = x.double() @ w.double()
     # Eight partial sums of FMA chains: at least as close to float64 as torch's own product.
@@ -59,16 +64,11 @@ def test_flush_to_zero_of_the_calling_thread_holds_in_every_thread():
     a normal float, which the thread summing the slabs does not flush."""
     w = torch.full((8192, 8), 1e-20)
     x = torch.full((1, 8192), 1e-20)
-    threads = torch.get_num_threads()
     torch.set_flush_denormal(True)
     try:
-        outs = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            outs.append(_product(x, w))
+        outs = _at_thread_counts(x, w)
     finally:
         torch.set_flush_denormal(False)
-        torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], out) for out in outs)
     assert _product(x, w).abs().max() > 0   # without it the tiny products add up
 
