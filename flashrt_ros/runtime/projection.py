@@ -91,10 +91,12 @@ class Projection:
         self.blocked = (torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), _ROWS_HINT)
                         if blocked and w.numel() >= _MIN_BLOCKED else None)
         self.partials = row_product.scratch(w.shape[1]) if native_rows else None
+        if self.partials is not None:
+            row_product.check_weight(w, self.partials)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self.partials is not None:
-            return row_product.row_product(x, self.w, self.partials)
+            return row_product.times_row(x, self.w, self.partials)
         if self.blocked is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, None, "none", [], "")
         return project(x, self.w)

@@ -6,8 +6,10 @@ torch's GEMV (one thread) nor a batched product over slabs of the weight (two
 threads, the fallback in ``projection.project``) reads as fast as a plain
 ``sum`` over the same bytes: on the 2-core bench VM the slab products ran at
 15-18 GB/s against 25-35 GB/s for the sum, which left the decode step at 2.3x
-its bandwidth limit. The kernel reads within 10-15% of the sum's speed, and
-the bench model's decode step went from 15.1 to 11.9 ms (interleaved, 7 rounds).
+its bandwidth limit. Measured alone, the kernel reads within 10-15% of the
+sum's speed (less inside a step, where the small operations between products
+leave colder caches), and the bench model's decode step went from 15.1 to
+11.9 ms (interleaved, 7 rounds).
 
 Its sums do not depend on the thread count or the CPU (see the C file): a
 journal recorded with it replays to the same bytes on any machine that has it.
@@ -69,24 +71,36 @@ def scratch(n: int) -> torch.Tensor:
     return torch.empty(_KERNEL[1] * n, dtype=torch.float32)
 
 
+def check_weight(w: torch.Tensor, partials: torch.Tensor) -> None:
+    """ValueError unless ``w`` and ``partials`` are what the kernel reads and writes: a wrong
+    tensor would have it go past their memory. Once per weight (``Projection`` does it when
+    built), not once per step."""
+    for t in (w, partials):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"row_product takes float32 CPU tensors, got {t.dtype} on {t.device}")
+    if w.dim() != 2 or not w.is_contiguous() or partials.numel() < _KERNEL[1] * w.shape[1]:
+        raise ValueError("row_product needs a contiguous 2-D weight and partials from scratch(n)")
+
+
 def row_product(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
-    """x [1, k] @ w [k, n], float32 on the CPU; w contiguous, ``partials`` from ``scratch(n)``.
+    """x [1, k] @ w [k, n], float32 on the CPU; w contiguous, ``partials`` from ``scratch(n)``."""
+    check_weight(w, partials)
+    return times_row(x, w, partials)
+
+
+def times_row(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    """``row_product`` for a weight and partials already passed through ``check_weight``.
 
     The kernel runs without the interpreter lock (ctypes lets it go for the call), and
     writes ``partials``: two threads must not share one at once (the engine's lock keeps
-    its steps apart). The checks cost about a microsecond; a wrong tensor would have the
-    kernel read or write past its memory.
+    its steps apart).
     """
-    fn = _KERNEL[0]
     k, n = w.shape
-    for t in (x, w, partials):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"row_product takes float32 CPU tensors, got {t.dtype} on {t.device}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"row_product takes float32 CPU tensors, got {x.dtype} on {x.device}")
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k:
         raise ValueError(f"row_product multiplies one row [1, {k}], got {tuple(x.shape)}")
-    if not w.is_contiguous() or partials.numel() < _KERNEL[1] * n:
-        raise ValueError("row_product needs a contiguous weight and partials from scratch(n)")
     x = x.contiguous()
     y = torch.empty(1, n, dtype=torch.float32)
-    fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), partials.data_ptr(), k, n, torch.get_num_threads())
+    _KERNEL[0](x.data_ptr(), w.data_ptr(), y.data_ptr(), partials.data_ptr(), k, n, torch.get_num_threads())
     return y
