@@ -35,12 +35,12 @@ def runtime_requirements() -> list[str]:
     return reqs
 
 
-# Decode's one-row product kernel, loaded with ctypes (flashrt_ros/runtime/row_product.py), so it is
-# built like an extension but defines no Python module. Optional: without a C compiler the
-# install still succeeds and decode runs on torch's products.
-ROW_PRODUCT = Extension("flashrt_ros.runtime._row_product", sources=["src/row_product.c"],
-                        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
-                        extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
+# The package's small C library (decode's one-row products, the capsules' span copies), loaded
+# with ctypes (flashrt_ros/native.py), so it is built like an extension but defines no Python
+# module. Optional: without a C compiler the install still succeeds and torch does that work.
+NATIVE = Extension("flashrt_ros._native", sources=["src/row_product.c", "src/copy_spans.c"],
+                   extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
+                   extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
 
 setup(
     name="flashrt_ros",
@@ -49,5 +49,5 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["flashrt_ros", "flashrt_ros.runtime*", "flashrt_ros.capsule*"]),
     install_requires=runtime_requirements(),
-    ext_modules=[ROW_PRODUCT],
+    ext_modules=[NATIVE],
 )

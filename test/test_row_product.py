@@ -9,6 +9,7 @@ from flashrt_ros.errors import InvalidArgument
 from flashrt_ros.replay.session import engine_for, session_of
 from flashrt_ros.runtime import Engine, ModelConfig, row_product
 from flashrt_ros.runtime.projection import Projection, project
+from thread_counts import at_thread_counts
 
 
 def test_the_build_installs_the_kernel():
@@ -21,15 +22,7 @@ def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _at_thread_counts(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            outs.append(_product(x, w))
-        return outs
-    finally:
-        torch.set_num_threads(threads)
+    return at_thread_counts(lambda: _product(x, w))
 
 
 @pytest.mark.parametrize("k, n", [(512, 1552), (1536, 512), (64, 32768), (13, 7), (5, 1), (3, 40)])

@@ -14,7 +14,7 @@ from .errors import InvalidCapsuleRequest
 
 TIERS = ("device", "host", "disk")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_ID = re.compile(r"[0-9a-f]{16}")   # secrets.token_hex(8), as the store makes ids
+_ID = re.compile(r"[0-9a-f]{16}")   # 64 random bits in hex, as the store makes ids
 
 
 class RegionLike(Protocol):

@@ -22,27 +22,27 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .. import native
 
 log = logging.getLogger(__name__)
 
 
 def _load() -> tuple[Callable[..., None], int, ctypes.CDLL, int] | None:
-    # colcon installs it as _row_product.so beside this file; setuptools adds the ABI tag.
-    for path in sorted(Path(__file__).parent.glob("_row_product*.so")):
-        try:
-            lib = ctypes.CDLL(str(path))
-            fn, version = lib.flashrt_row_product, lib.flashrt_row_product_version()
-        except (OSError, AttributeError) as exc:
-            log.warning("cannot load %s (%s): decode products fall back to torch", path, exc)
-            continue
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
-        fn.restype = None
-        return fn, lib.flashrt_row_product_slabs(), lib, version
-    return None
+    lib = native.library()
+    if lib is None:
+        return None
+    try:
+        fn, version = lib.flashrt_row_product, lib.flashrt_row_product_version()
+    except AttributeError as exc:   # a library from another build of the package
+        log.warning("the C library has no row-product kernel (%s): decode products fall back to torch", exc)
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    fn.restype = None
+    return fn, lib.flashrt_row_product_slabs(), lib, version
 
 
 _KERNEL = _load()

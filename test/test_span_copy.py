@@ -1,0 +1,82 @@
+"""The capsules' span copies on the package's C library (src/copy_spans.c): the bytes of torch's
+slicing for any thread count, addresses only of byte tensors, and capsules that are the same
+bytes whichever copy made them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrt_ros.capsule import span_copy
+from flashrt_ros.runtime import Engine, ModelConfig
+from thread_counts import at_thread_counts
+
+
+def test_the_build_installs_the_span_copy():
+    """colcon builds it (CMakeLists.txt); without it capsules would silently copy through torch."""
+    assert span_copy.available()
+
+
+def _spans(size: int) -> list[tuple[int, int, int]]:
+    """(destination offset, source offset, length): odd lengths, one empty, out of order, so
+    that the threads' equal shares of the total start and end inside spans."""
+    return [(5, 1000, 333), (400, 7, 1), (401, 0, 0), (2000, 3001, size - 3001), (402, 2500, 97)]
+
+
+def test_spans_land_where_torch_slicing_puts_them_at_any_thread_count():
+    size = 1 << 16
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    expected = torch.zeros(size, dtype=torch.uint8)
+    for d, s, n in _spans(size):
+        expected[d:d + n] = src[s:s + n]
+
+    def copied() -> torch.Tensor:
+        dst = torch.zeros(size, dtype=torch.uint8)
+        to, at = span_copy.address_of(dst), span_copy.address_of(src)
+        span_copy.copy([v for d, s, n in _spans(size) for v in (to + d, at + s, n)])
+        return dst
+
+    for out in at_thread_counts(copied, (1, 2, 3, 7)):
+        assert torch.equal(out, expected)
+
+
+def test_prepared_copies_repeat_the_same_spans():
+    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    prepared = span_copy.SpanCopy([span_copy.address_of(dst) + 8, span_copy.address_of(src), 16], keep=[src, dst])
+    for _ in range(2):
+        prepared()
+        assert torch.equal(dst[8:24], src[:16]) and not dst[:8].any() and not dst[24:].any()
+        dst.zero_()
+
+
+@pytest.mark.parametrize("bad", [
+    lambda a: a.view(torch.int32),     # not bytes
+    lambda a: a[::2],                  # not contiguous
+    lambda a: a.view(10, 10),          # not 1-D
+    lambda a: a.float(),
+])
+def test_only_byte_tensors_give_an_address(bad):
+    with pytest.raises(ValueError, match="1-D contiguous uint8 CPU"):
+        span_copy.address_of(bad(torch.zeros(100, dtype=torch.uint8)))
+
+
+def test_capsules_are_the_same_bytes_through_torch_and_the_span_copy(monkeypatch):
+    """One engine copies through the library, one through torch (as where it is not built):
+    same digests, and each restores its snapshot byte for byte (returns and full restores)."""
+    ids = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(2))
+    digests = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(span_copy, "_COPY", None)
+        engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+        engine.prefill(ids)
+        held = engine.snapshot()
+        at_snapshot = engine.arena.buffer.clone()
+        engine.generate(5)
+        engine.restore(held)                      # a return: the fixed-size state and new rows only
+        assert torch.equal(engine.arena.buffer[:engine.arena.fixed_bytes], at_snapshot[:engine.arena.fixed_bytes])
+        engine.reset()
+        engine.restore(held)                      # a full restore
+        digests.append(engine.capsules.get(held.id).digest)
+        assert engine.state_digest() == digests[-1]
+        engine.close()
+    assert digests[0] == digests[1]
