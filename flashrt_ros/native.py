@@ -1,5 +1,6 @@
 """The package's small C library (``src/*.c``), loaded with ctypes: decode's one-row
-products (``runtime.row_product``) and the capsules' span copies (``capsule.span_copy``).
+products (``runtime.row_product``) and linear-attention mixers (``runtime.delta_step``),
+and the capsules' span copies (``capsule.span_copy``).
 
 colcon (CMakeLists.txt) installs it as ``_native.so`` beside this file; ``pip install``
 (setup.py) builds it with the ABI tag in its name. It is optional: where it is not built,

@@ -12,7 +12,7 @@ import torch
 from ..capsule import TIERS
 from ..capsule.diskformat import path_for
 from ..errors import InvalidArgument
-from ..runtime import Engine, row_product
+from ..runtime import Engine, delta_step, row_product
 from ..runtime.projection import ONEDNN_ENV
 
 VERSION = 1
@@ -47,6 +47,7 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # One-row products on the C kernel (which version), or torch's slab products: they round differently.
             "decode_native": engine.decode_native,
             "row_product": row_product.version() if engine.decode_native else "",
+            "delta_step": delta_step.version() if engine.model.has_native_delta() else "",
             # Disk capsules found in capsule_dir at start: the session may restore them.
             "capsule_dir": str(store.dir or ""),
             "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
@@ -83,10 +84,13 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
         raise InvalidArgument(f"the session ran one-row products on the C kernel of flashrt_ros.runtime.row_product, "
                               f"which is not built here or cannot serve device {device}: rebuild the package with a "
                               f"C compiler (colcon build, or pip install .), or replay on a CPU")
-    if engine.decode_native and session.get("row_product", "") != row_product.version():
-        engine.close()
-        raise InvalidArgument(f"the session ran row-product kernel {session.get('row_product')!r}, this build has "
-                              f"{row_product.version()!r}: their products may round differently")
+    here = {"row_product": row_product.version() if engine.decode_native else "",
+            "delta_step": delta_step.version() if engine.model.has_native_delta() else ""}
+    for kernel, version in here.items():
+        if engine.decode_native and session.get(kernel, "") != version:
+            engine.close()
+            raise InvalidArgument(f"the session ran {kernel} kernel {session.get(kernel, '')!r}, this build has "
+                                  f"{version!r}: their results may round differently")
     for key in ("model_fingerprint", "layout_fingerprint"):
         if getattr(engine, key) != session[key]:
             engine.close()

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import gated_delta, sampling
+from .. import delta_step, gated_delta, sampling
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
 from ..config import FULL, LINEAR, ModelConfig
+from ..delta_step import DeltaStep
 from ...hugepages import empty_huge
 from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables, swiglu_mlp
 from ..projection import Projection
@@ -69,6 +70,7 @@ class _Block:
     neg_a: torch.Tensor | None = None     # -exp(A_log), fp32
     dt_bias: torch.Tensor | None = None   # fp32
     slot: int = 0                  # index into the recurrent/conv or kv region
+    delta: DeltaStep | None = None        # linear, one token, native decode: the mixer in one C call
 
 
 class _Cast:
@@ -137,6 +139,7 @@ class Qwen35:
                  device: torch.device, dtype: torch.dtype, max_seq_len: int, blocked: bool = False,
                  native_rows: bool = False) -> None:
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.native_rows = native_rows
         cast = _Cast(device, dtype, blocked, native_rows)
         self.embed = cast(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -187,10 +190,21 @@ class Qwen35:
         self.kv = arena.views.get("kv")
         self.mtp_kv = arena.views.get("mtp.kv")
         self.observations = arena.views.get("meta.observations")
+        # Native decode (where the row products run on the C library, so float32 on a CPU) runs
+        # each linear layer's mixer in one call as well, over this arena's state.
+        cfg, hk, dk = self.cfg, self.cfg.linear_num_key_heads, self.cfg.linear_key_head_dim
+        for b in self.blocks:
+            b.delta = None
+            if b.kind == LINEAR and self.native_rows and delta_step.available():
+                b.delta = DeltaStep(self.conv[b.slot], b.conv, b.neg_a, b.dt_bias, self.recurrent[b.slot], b.norm_a,
+                                    key_heads=hk, q_scale=dk ** -1.0, k_scale=dk ** -0.5,
+                                    qk_eps=gated_delta.L2_EPS / dk, norm_eps=cfg.rms_norm_eps)
 
     # ---- mixers ------------------------------------------------------------------------------
     def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
+        if n == 1 and b.delta is not None:
+            return b.out_proj(b.delta(b.in_proj(x)))
         c, vd, hv, hk = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
         mixed, z, beta_in, a_in = b.in_proj(x).split([c, vd, hv, hv], dim=-1)
 
@@ -328,6 +342,10 @@ class Qwen35:
     def has_native_rows(self) -> bool:
         """Whether one-row products run on the C kernel (see row_product)."""
         return any(p.partials is not None for p in self.projections())
+
+    def has_native_delta(self) -> bool:
+        """Whether one-token linear mixers run on the C kernel (see delta_step); set by ``bind``."""
+        return any(b.delta is not None for b in self.blocks)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""
