@@ -1,6 +1,6 @@
 """The package's small C library (``src/*.c``), loaded with ctypes: decode's one-row
-products (``runtime.row_product``) and linear-attention mixers (``runtime.delta_step``),
-and the capsules' span copies (``capsule.span_copy``).
+products (``runtime.row_product``) and attention layers (``runtime.delta_step``,
+``runtime.attention_step``), and the capsules' span copies (``capsule.span_copy``).
 
 colcon (CMakeLists.txt) installs it as ``_native.so`` beside this file; ``pip install``
 (setup.py) builds it with the ABI tag in its name. It is optional: where it is not built,
@@ -12,6 +12,9 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -25,3 +28,31 @@ def library() -> ctypes.CDLL | None:
         except OSError as exc:
             log.warning("cannot load %s (%s): torch does its work instead", path, exc)
     return None
+
+
+def kernel(name: str, argtypes: list) -> tuple[Callable[..., None], str] | None:
+    """``flashrt_<name>`` with its argument types, and its version (``flashrt_<name>_version``,
+    which journals record), or None where the library or the kernel is missing."""
+    lib = library()
+    fn = getattr(lib, f"flashrt_{name}", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = argtypes, None
+    return fn, str(getattr(lib, f"flashrt_{name}_version")())
+
+
+def check_float_tensors(what: str, expected: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+    """ValueError unless each tensor is a contiguous float32 CPU tensor of its shape: what a
+    kernel reads and writes by address must be exactly there."""
+    for name, (t, shape) in expected.items():
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+            raise ValueError(f"{what}: {name} must be a contiguous float32 CPU tensor of shape {shape}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def check_row(what: str, row: torch.Tensor, width: int) -> torch.Tensor:
+    """``row`` as one contiguous float32 CPU row of ``width`` (ValueError if it is not one)."""
+    if row.dtype != torch.float32 or row.device.type != "cpu" or row.shape != (1, width):
+        raise ValueError(f"{what} takes one float32 CPU row of {width}, got {row.dtype} {tuple(row.shape)} "
+                         f"on {row.device}")
+    return row.contiguous()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrt_ros.runtime import Engine, ModelConfig, delta_step
+from flashrt_ros.runtime import Engine, ModelConfig
 from hf_reference import save_hf_model
 
 TOL = 1e-4
@@ -59,7 +59,7 @@ def test_stepwise_decode_logits_and_greedy_tokens_match_transformers(pair):
     hf, path = pair
     engine = Engine.from_pretrained(path)
     # Decode as it runs by default: mixers and products on the C library where it is built.
-    assert engine.model.has_native_delta() == (delta_step.available() and "linear_attention" in engine.config.layer_types)
+    assert engine.model.has_native_delta() and engine.model.has_native_attention()
     ids = torch.randint(0, engine.config.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
     first = engine.prefill(ids)
     with torch.no_grad():

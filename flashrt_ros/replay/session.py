@@ -12,7 +12,7 @@ import torch
 from ..capsule import TIERS
 from ..capsule.diskformat import path_for
 from ..errors import InvalidArgument
-from ..runtime import Engine, delta_step, row_product
+from ..runtime import Engine, attention_step, delta_step, row_product
 from ..runtime.projection import ONEDNN_ENV
 
 VERSION = 1
@@ -44,13 +44,19 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
             # Prefill's products on oneDNN's blocked weights, or torch.mm: they round differently.
             "prefill_blocked": engine.prefill_blocked,
-            # One-row products on the C kernel (which version), or torch's slab products: they round differently.
+            # Decode on the C kernels (which versions), or on torch: they round differently.
             "decode_native": engine.decode_native,
-            "row_product": row_product.version() if engine.decode_native else "",
-            "delta_step": delta_step.version() if engine.model.has_native_delta() else "",
+            **native_kernels(engine),
             # Disk capsules found in capsule_dir at start: the session may restore them.
             "capsule_dir": str(store.dir or ""),
             "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
+
+
+def native_kernels(engine: Engine) -> dict[str, str]:
+    """The version of each C kernel the engine decodes with ("" for one it does not use)."""
+    return {"row_product": row_product.version() if engine.decode_native else "",
+            "delta_step": delta_step.version() if engine.model.has_native_delta() else "",
+            "attention_step": attention_step.version() if engine.model.has_native_attention() else ""}
 
 
 def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None) -> Engine:
@@ -84,9 +90,7 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
         raise InvalidArgument(f"the session ran one-row products on the C kernel of flashrt_ros.runtime.row_product, "
                               f"which is not built here or cannot serve device {device}: rebuild the package with a "
                               f"C compiler (colcon build, or pip install .), or replay on a CPU")
-    here = {"row_product": row_product.version() if engine.decode_native else "",
-            "delta_step": delta_step.version() if engine.model.has_native_delta() else ""}
-    for kernel, version in here.items():
+    for kernel, version in native_kernels(engine).items():
         if engine.decode_native and session.get(kernel, "") != version:
             engine.close()
             raise InvalidArgument(f"the session ran {kernel} kernel {session.get(kernel, '')!r}, this build has "

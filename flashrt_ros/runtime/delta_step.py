@@ -15,13 +15,10 @@ option with the row-product kernel, and journals record its version too.
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
 from .. import native
-
-log = logging.getLogger(__name__)
 
 
 class _Layer(ctypes.Structure):
@@ -35,17 +32,7 @@ class _Layer(ctypes.Structure):
                 ("qk_eps", ctypes.c_float), ("norm_eps", ctypes.c_float)]
 
 
-def _load() -> tuple[ctypes._CFuncPtr, int] | None:
-    lib = native.library()
-    fn = getattr(lib, "flashrt_delta_step", None) if lib is not None else None
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = None
-    return fn, lib.flashrt_delta_step_version()
-
-
-_KERNEL = _load()
+_KERNEL = native.kernel("delta_step", [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p])
 
 
 def available() -> bool:
@@ -54,7 +41,7 @@ def available() -> bool:
 
 def version() -> str:
     """What decides the kernel's bytes, for journals; "" when it is not built."""
-    return str(_KERNEL[1]) if _KERNEL is not None else ""
+    return _KERNEL[1] if _KERNEL is not None else ""
 
 
 class DeltaStep:
@@ -70,13 +57,10 @@ class DeltaStep:
             raise RuntimeError("the delta-step kernel is not built (the package's C library is missing)")
         value_heads, key_dim, value_dim = state.shape
         taps, conv_dim = conv_weight.shape
-        expected = {"conv_state": (conv_state, (taps - 1, conv_dim)), "conv_weight": (conv_weight, (taps, conv_dim)),
-                    "neg_a": (neg_a, (value_heads,)), "dt_bias": (dt_bias, (value_heads,)),
-                    "state": (state, (value_heads, key_dim, value_dim)), "norm_weight": (norm_weight, (value_dim,))}
-        for name, (t, shape) in expected.items():
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
-                raise ValueError(f"delta step: {name} must be a contiguous float32 CPU tensor of shape {shape}, "
-                                 f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        native.check_float_tensors("delta step", {
+            "conv_state": (conv_state, (taps - 1, conv_dim)), "conv_weight": (conv_weight, (taps, conv_dim)),
+            "neg_a": (neg_a, (value_heads,)), "dt_bias": (dt_bias, (value_heads,)),
+            "state": (state, (value_heads, key_dim, value_dim)), "norm_weight": (norm_weight, (value_dim,))})
         if key_heads < 1 or value_heads % key_heads or conv_dim != 2 * key_heads * key_dim + value_heads * value_dim:
             raise ValueError(f"delta step: {key_heads} key heads of {key_dim} and {value_heads} value heads of "
                              f"{value_dim} do not make a conv of {conv_dim} channels")
@@ -92,9 +76,6 @@ class DeltaStep:
     def __call__(self, row: torch.Tensor) -> torch.Tensor:
         """``row`` [1, conv + value + 2 heads] from the input projection; returns [1, value_heads
         * value_dim] for the output projection, in a buffer the next call reuses."""
-        if row.dtype != torch.float32 or row.device.type != "cpu" or row.shape != (1, self._row):
-            raise ValueError(f"delta step takes one float32 CPU row of {self._row}, got {row.dtype} "
-                             f"{tuple(row.shape)} on {row.device}")
-        row = row.contiguous()
+        row = native.check_row("delta step", row, self._row)
         _KERNEL[0](self._pointer, row.data_ptr(), self._out.data_ptr())
         return self._out

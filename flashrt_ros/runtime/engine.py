@@ -61,10 +61,10 @@ class Engine:
       decode_native: on a CPU in float32, one-row products (decode and policy steps) run
         on the C kernel of ``runtime.row_product`` where it is built (default True):
         the bench model's decode step took 0.8x the time of the torch fallback. So do
-        one-token linear-attention mixers (``runtime.delta_step``). Their sums are the
-        same on every machine and thread count; the fallback's round otherwise, so a
-        rollback or replay runs with the engine's own setting, and
-        ``engine.decode_native`` says which one runs.
+        one-token attention layers between their products (``runtime.delta_step``,
+        ``runtime.attention_step``). Their sums are the same on every machine and
+        thread count; the fallback's round otherwise, so a rollback or replay runs
+        with the engine's own setting, and ``engine.decode_native`` says which one runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import delta_step, gated_delta, sampling
+from .. import attention_step, delta_step, gated_delta, sampling
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
+from ..attention_step import AttentionStep
 from ..config import FULL, LINEAR, ModelConfig
 from ..delta_step import DeltaStep
 from ...hugepages import empty_huge
@@ -71,6 +72,7 @@ class _Block:
     dt_bias: torch.Tensor | None = None   # fp32
     slot: int = 0                  # index into the recurrent/conv or kv region
     delta: DeltaStep | None = None        # linear, one token, native decode: the mixer in one C call
+    attend: AttentionStep | None = None   # full, one token, native decode: likewise
 
 
 class _Cast:
@@ -191,14 +193,17 @@ class Qwen35:
         self.mtp_kv = arena.views.get("mtp.kv")
         self.observations = arena.views.get("meta.observations")
         # Native decode (where the row products run on the C library, so float32 on a CPU) runs
-        # each linear layer's mixer in one call as well, over this arena's state.
+        # each layer's mixer for one token in one call as well, over this arena's state.
         cfg, hk, dk = self.cfg, self.cfg.linear_num_key_heads, self.cfg.linear_key_head_dim
         for b in self.blocks:
-            b.delta = None
+            b.delta = b.attend = None
             if b.kind == LINEAR and self.native_rows and delta_step.available():
                 b.delta = DeltaStep(self.conv[b.slot], b.conv, b.neg_a, b.dt_bias, self.recurrent[b.slot], b.norm_a,
                                     key_heads=hk, q_scale=dk ** -1.0, k_scale=dk ** -0.5,
                                     qk_eps=gated_delta.L2_EPS / dk, norm_eps=cfg.rms_norm_eps)
+            if b.kind == FULL and self.native_rows and attention_step.available():
+                b.attend = AttentionStep(self.kv[:, b.slot, 0], self.kv[:, b.slot, 1], self.position, b.norm_a,
+                                         self.cos, self.sin, heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps)
 
     # ---- mixers ------------------------------------------------------------------------------
     def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
@@ -238,6 +243,8 @@ class Qwen35:
     def _full_mixer(self, x: torch.Tensor, b: _Block, kv: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
+        if n == 1 and b.attend is not None and span.mask is None:   # eager: rows [0, position] are read
+            return b.out_proj(b.attend(b.in_proj(x)))
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qk, gate, v = b.in_proj(x).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
         qk = apply_rope(rms_norm(qk.view(n, hq + hkv, d), b.norm_a, cfg.rms_norm_eps), *rope)
@@ -346,6 +353,10 @@ class Qwen35:
     def has_native_delta(self) -> bool:
         """Whether one-token linear mixers run on the C kernel (see delta_step); set by ``bind``."""
         return any(b.delta is not None for b in self.blocks)
+
+    def has_native_attention(self) -> bool:
+        """Whether one-token attention layers run on the C kernel (see attention_step); set by ``bind``."""
+        return any(b.attend is not None for b in self.blocks)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""

@@ -1,0 +1,113 @@
+/* One token through a gated full-attention layer on a CPU, float32: from the row its input
+ * projection gives (q|k, gate, v) to the row its output projection takes. The per-head RMS
+ * norms of q and k, partial RoPE, the K and V rows written at the position, attention over
+ * the rows so far (query heads grouped over fewer KV heads) and the sigmoid gate, in one call:
+ * in torch they are some twenty operations per layer, plus a copy of the keys to multiply them
+ * (see flashrt_ros/runtime/attention_step.py).
+ *
+ * One thread, every sum in a fixed order: the same bytes for any thread count. Dot products
+ * keep eight partial sums in a fixed pattern, so the compiler may vectorise them without
+ * changing a result.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#ifdef __FAST_MATH__
+#error "attention_step.c must not be built with -ffast-math: it would reorder the sums its callers rely on"
+#endif
+
+#define LANES 8
+
+/* Everything but the token's row: bound once per layer (flashrt_ros/runtime/attention_step.py). */
+struct flashrt_attention_layer {
+    float *keys, *values;       /* row 0 of the layer's K and V caches, [rows, kv_heads, head_dim] each */
+    long row_stride;            /* floats from one cache row to the next */
+    long rows;                  /* the caches' capacity */
+    const int64_t *position;    /* the arena's position counter: this token's row */
+    const float *norm;          /* [heads + kv_heads, head_dim]: 1 + w of q_norm, then of k_norm */
+    const float *cos, *sin;     /* [rows, rotary] */
+    float *scores;              /* scratch [rows] */
+    float *qk;                  /* scratch [(heads + kv_heads) * head_dim] */
+    int heads, kv_heads, head_dim, rotary;
+    float eps, scale;
+};
+
+static float dot(const float *a, const float *b, int n) {
+    float lane[LANES] = {0.0f};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++)
+            lane[l] += a[i + l] * b[i + l];
+    for (; i < n; i++)
+        lane[i % LANES] += a[i] * b[i];
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++)
+        sum += lane[l];
+    return sum;
+}
+
+void flashrt_attention_step(const struct flashrt_attention_layer *layer, const float *row, float *out) {
+    const int hq = layer->heads, hkv = layer->kv_heads, d = layer->head_dim, rot = layer->rotary;
+    const int half = rot / 2, group = hq / hkv;
+    const long pos = *layer->position;
+    const float *gate = row + (long)(hq + hkv) * d, *v = gate + (long)hq * d;
+    if (pos < 0 || pos >= layer->rows) {   /* the engine checks room first: never silently wrong */
+        for (long i = 0; i < (long)hq * d; i++)
+            out[i] = NAN;
+        return;
+    }
+
+    /* RMS norm of each q and k head, then RoPE on its first ``rotary`` features. */
+    const float *cos = layer->cos + pos * rot, *sin = layer->sin + pos * rot;
+    for (int h = 0; h < hq + hkv; h++) {
+        const float *x = row + (long)h * d, *w = layer->norm + (long)h * d;
+        float *y = layer->qk + (long)h * d;
+        float sum = 0.0f;
+        for (int i = 0; i < d; i++)
+            sum += x[i] * x[i];
+        const float inverse = 1.0f / sqrtf(layer->eps + sum * (1.0f / (float)d));
+        for (int i = 0; i < d; i++)
+            y[i] = x[i] * inverse * w[i];
+        float rotated[rot > 0 ? rot : 1];
+        for (int i = 0; i < rot; i++)
+            rotated[i] = i < half ? -y[i + half] : y[i - half];
+        for (int i = 0; i < rot; i++)
+            y[i] = y[i] * cos[i] + rotated[i] * sin[i];
+    }
+
+    /* This token's K and V rows, then every query head over rows [0, pos]. */
+    float *k_row = layer->keys + pos * layer->row_stride, *v_row = layer->values + pos * layer->row_stride;
+    for (long i = 0; i < (long)hkv * d; i++) {
+        k_row[i] = layer->qk[(long)hq * d + i];
+        v_row[i] = v[i];
+    }
+    float *scores = layer->scores;
+    for (int h = 0; h < hq; h++) {
+        const int g = h / group;
+        const float *q = layer->qk + (long)h * d;
+        float top = -INFINITY;
+        for (long t = 0; t <= pos; t++) {
+            scores[t] = dot(q, layer->keys + t * layer->row_stride + (long)g * d, d) * layer->scale;
+            top = scores[t] > top ? scores[t] : top;
+        }
+        float total = 0.0f;
+        for (long t = 0; t <= pos; t++) {
+            scores[t] = expf(scores[t] - top);
+            total += scores[t];
+        }
+        float *o = out + (long)h * d;
+        for (int j = 0; j < d; j++)
+            o[j] = 0.0f;
+        for (long t = 0; t <= pos; t++) {
+            const float p = scores[t] / total;
+            const float *vt = layer->values + t * layer->row_stride + (long)g * d;
+            for (int j = 0; j < d; j++)
+                o[j] += p * vt[j];
+        }
+        for (int j = 0; j < d; j++)
+            o[j] = o[j] * (1.0f / (1.0f + expf(-gate[(long)h * d + j])));
+    }
+}
+
+/* Bumped whenever a change could alter a step's bytes: journals record it. */
+int flashrt_attention_step_version(void) { return 1; }
