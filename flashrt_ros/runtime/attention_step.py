@@ -7,8 +7,9 @@ position, scores, softmax, the weighted values, the gate), and multiplying
 the query by the cached keys copied them first (a permuted view). Measured
 inside the bench model's decode steps, where the weights streamed between them
 leave the caches cold, its two attention layers took 0.9 ms of a 10 ms step
-outside their products. The kernel does them in one call, in float32, on one
-thread, with every sum in a fixed order; it reads the position from the arena.
+outside their products. The kernel does them in one call, in float32, with every
+sum in a fixed order (threads take whole KV heads); it reads the position from
+the arena.
 
 It rounds differently from the torch path (``attention.write_and_attend`` and
 the layer around it), so it runs under the engine's ``decode_native`` option
@@ -34,7 +35,7 @@ class _Layer(ctypes.Structure):
                 ("scale", ctypes.c_float)]
 
 
-_KERNEL = native.kernel("attention_step", [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p])
+_KERNEL = native.kernel("attention_step", [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
 
 
 def available() -> bool:
@@ -70,7 +71,7 @@ class AttentionStep:
         if kv_heads < 1 or heads % kv_heads or rotary % 2 or rotary > head_dim:
             raise ValueError(f"attention step: {heads} query heads over {kv_heads} KV heads, rotary {rotary} of "
                              f"{head_dim}")
-        scores = torch.empty(rows, dtype=torch.float32)
+        scores = torch.empty(heads, rows, dtype=torch.float32)
         qk = torch.empty((heads + kv_heads) * head_dim, dtype=torch.float32)
         self._out = torch.empty(1, heads * head_dim, dtype=torch.float32)
         self._row = (2 * heads + 2 * kv_heads) * head_dim   # q | k | gate | v
@@ -84,5 +85,5 @@ class AttentionStep:
         """``row`` [1, q | k | gate | v] from the input projection; returns [1, heads * head_dim]
         for the output projection, in a buffer the next call reuses."""
         row = native.check_row("attention step", row, self._row)
-        _KERNEL[0](self._pointer, row.data_ptr(), self._out.data_ptr())
+        _KERNEL[0](self._pointer, row.data_ptr(), self._out.data_ptr(), torch.get_num_threads())
         return self._out
