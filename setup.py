@@ -40,7 +40,8 @@ def runtime_requirements() -> list[str]:
 # extension but defines no Python module. Optional: without a C compiler the install still
 # succeeds and torch does that work.
 NATIVE = Extension("flashrt_ros._native",
-                   sources=["src/row_product.c", "src/delta_step.c", "src/attention_step.c", "src/copy_spans.c"],
+                   sources=["src/row_product.c", "src/row_ops.c", "src/delta_step.c", "src/attention_step.c",
+                            "src/copy_spans.c"],
                    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
                    extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
 

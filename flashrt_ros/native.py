@@ -30,15 +30,17 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def kernel(name: str, argtypes: list) -> tuple[Callable[..., None], str] | None:
-    """``flashrt_<name>`` with its argument types, and its version (``flashrt_<name>_version``,
-    which journals record), or None where the library or the kernel is missing."""
+def kernel(name: str, argtypes: list, family: str = "") -> tuple[Callable[..., None], str] | None:
+    """``flashrt_<name>`` with its argument types, and the version journals record of it
+    (``flashrt_<family>_version``, the family being the C file's kernels, by default the
+    kernel alone), or None where the library, the kernel or its version is missing."""
     lib = library()
     fn = getattr(lib, f"flashrt_{name}", None) if lib is not None else None
-    if fn is None:
+    version = getattr(lib, f"flashrt_{family or name}_version", None) if lib is not None else None
+    if fn is None or version is None:
         return None
     fn.argtypes, fn.restype = argtypes, None
-    return fn, str(getattr(lib, f"flashrt_{name}_version")())
+    return fn, str(version())
 
 
 def check_float_tensors(what: str, expected: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:

@@ -1,6 +1,7 @@
-"""Decode's attention layers on the package's C library (src/delta_step.c for linear attention,
-src/attention_step.c for full attention): where they run, that they follow the torch layers
-they replace, refusals, and journals that record them."""
+"""Decode's layers on the package's C library (src/delta_step.c for linear attention,
+src/attention_step.c for full attention, src/row_ops.c for the norms, residuals and activations
+between products): where they run, that they follow the torch code they replace, refusals,
+and journals that record them."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 from flashrt_ros.errors import InvalidArgument
 from flashrt_ros.replay.session import engine_for, session_of
-from flashrt_ros.runtime import Engine, ModelConfig, attention_step, delta_step
+from flashrt_ros.runtime import Engine, ModelConfig, attention_step, delta_step, row_ops
+from flashrt_ros.runtime.layers import rms_norm
 
 GROUPED_CONV3 = ModelConfig.tiny(
     vocab_size=317, hidden_size=72, intermediate_size=100,
@@ -22,17 +24,44 @@ KERNELS = {"delta": "has_native_delta", "attend": "has_native_attention"}
 
 
 def test_the_build_installs_the_kernels():
-    """colcon builds them (CMakeLists.txt); without them decode would silently run the torch layers."""
-    assert delta_step.available() and attention_step.available()
+    """colcon builds them (CMakeLists.txt); without them decode would silently run the torch code."""
+    assert delta_step.available() and attention_step.available() and row_ops.available()
 
 
 def test_they_run_with_native_decode_only():
     cfg = ModelConfig.tiny()
     native = Engine.from_config(cfg, max_seq_len=64).model
-    assert native.has_native_delta() and native.has_native_attention()
+    assert native.has_native_delta() and native.has_native_attention() and native.native_glue
     for other in (Engine.from_config(cfg, max_seq_len=64, decode_native=False),
                   Engine.from_config(cfg, max_seq_len=64, dtype=torch.bfloat16)):
-        assert not other.model.has_native_delta() and not other.model.has_native_attention()
+        assert not (other.model.has_native_delta() or other.model.has_native_attention() or other.model.native_glue)
+
+
+def test_the_row_ops_follow_torch():
+    g = torch.Generator().manual_seed(5)
+    x, h, scale = (torch.randn(1, 77, generator=g) for _ in range(3))
+    scale = scale[0].contiguous()
+    assert torch.allclose(row_ops.rms_norm(x, scale, 1e-6), rms_norm(x, scale, 1e-6), atol=1e-6)
+    total, normed = row_ops.add_rms_norm(x, h, scale, 1e-6)
+    assert torch.equal(total, x + h) and torch.allclose(normed, rms_norm(x + h, scale, 1e-6), atol=1e-6)
+    gate_up = torch.randn(1, 2 * 77, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(row_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-6)
+    with pytest.raises(ValueError, match="one float32 CPU row of 77"):
+        row_ops.rms_norm(torch.randn(2, 77), scale, 1e-6)
+    with pytest.raises(ValueError, match="scale must be a contiguous float32"):
+        row_ops.check_scale(scale.double(), 77)
+
+
+def test_the_glue_follows_torch_in_a_model():
+    cfg = GROUPED_CONV3
+    ids = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(6))
+    native, torch_glue = Engine.from_config(cfg, max_seq_len=96), Engine.from_config(cfg, max_seq_len=96)
+    torch_glue.model.native_glue = False
+    for engine in (native, torch_glue):
+        engine.prefill(ids)
+    assert native.generate(30) == torch_glue.generate(30)
+    assert (native.logits() - torch_glue.logits()).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -92,11 +121,12 @@ def test_wrong_tensors_are_refused_when_a_layer_is_bound():
                                      heads=cfg.num_attention_heads, eps=1e-6)
 
 
-@pytest.mark.parametrize("kernel", ["delta_step", "attention_step"])
+@pytest.mark.parametrize("kernel", ["delta_step", "attention_step", "row_ops"])
 def test_journals_record_them_and_refuse_another_version(kernel):
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
     recorded = session_of(engine, "", 0)
-    here = {"delta_step": delta_step.version(), "attention_step": attention_step.version()}
+    here = {"delta_step": delta_step.version(), "attention_step": attention_step.version(),
+            "row_ops": row_ops.version()}
     assert recorded[kernel] == here[kernel] != ""
     replayed = engine_for(recorded).model
     assert replayed.has_native_delta() and replayed.has_native_attention()

@@ -12,7 +12,7 @@ import torch
 from ..capsule import TIERS
 from ..capsule.diskformat import path_for
 from ..errors import InvalidArgument
-from ..runtime import Engine, attention_step, delta_step, row_product
+from ..runtime import Engine, attention_step, delta_step, row_ops, row_product
 from ..runtime.projection import ONEDNN_ENV
 
 VERSION = 1
@@ -56,7 +56,8 @@ def native_kernels(engine: Engine) -> dict[str, str]:
     """The version of each C kernel the engine decodes with ("" for one it does not use)."""
     return {"row_product": row_product.version() if engine.decode_native else "",
             "delta_step": delta_step.version() if engine.model.has_native_delta() else "",
-            "attention_step": attention_step.version() if engine.model.has_native_attention() else ""}
+            "attention_step": attention_step.version() if engine.model.has_native_attention() else "",
+            "row_ops": row_ops.version() if engine.model.native_glue else ""}
 
 
 def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None) -> Engine:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import attention_step, delta_step, gated_delta, sampling
+from .. import attention_step, delta_step, gated_delta, row_ops, sampling
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
 from ..attention_step import AttentionStep
@@ -164,6 +164,12 @@ class Qwen35:
             self.mtp_fc = cast.proj(weights["mtp.fc.weight"])
             self.mtp_norm_embed = cast.one_plus(weights["mtp.pre_fc_norm_embedding.weight"])
             self.mtp_norm_hidden = cast.one_plus(weights["mtp.pre_fc_norm_hidden.weight"])
+        # Native decode runs the norms, residuals and activations between one row's products
+        # on the C library too (see row_ops).
+        self.native_glue = native_rows and row_ops.available()
+        if self.native_glue:
+            for scale in [self.final_norm] + [t for b in self.blocks for t in (b.ln_in, b.ln_post)]:
+                row_ops.check_scale(scale, cfg.hidden_size)
         if cfg.policy:
             self.obs_proj = cast.t(weights["policy.obs_proj.weight"])
             self.obs_bias = cast(weights["policy.obs_proj.bias"])
@@ -254,11 +260,15 @@ class Qwen35:
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor], span: Span, decode: bool) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        h = rms_norm(x, b.ln_in, eps)
+        one_row = x.shape[0] == 1 and self.native_glue
+        h = row_ops.rms_norm(x, b.ln_in, eps) if one_row else rms_norm(x, b.ln_in, eps)
         if b.kind == FULL:
             h = self._full_mixer(h, b, kv, positions, rope, span)
         else:
             h = self._linear_mixer(h, b, decode)
+        if one_row:
+            x, normed = row_ops.add_rms_norm(x, h, b.ln_post, eps)
+            return x + b.down(row_ops.silu_mul(b.gate_up(normed)))
         x = x + h
         return x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
 
@@ -271,7 +281,9 @@ class Qwen35:
         for b in self.blocks:
             kv = self.kv[:, b.slot] if b.kind == FULL else None
             x = self._block_forward(x, b, kv, positions, rope, span, decode)
-        hidden = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+        eps = self.cfg.rms_norm_eps
+        hidden = row_ops.rms_norm(x, self.final_norm, eps) if x.shape[0] == 1 and self.native_glue \
+            else rms_norm(x, self.final_norm, eps)
         if self.mtp is not None:
             prev = torch.cat([self.last_hidden[None], hidden[:-1]]) if not decode else self.last_hidden[None]
             self._write_mtp_kv(embeds, prev, positions, rope)
