@@ -55,11 +55,12 @@ def test_prefill_in_unaligned_chunks_matches_transformers(pair):
     assert _prefill_error(hf, Engine.from_pretrained(path, prefill_chunk=100), 300, seed=7) < TOL
 
 
-def test_stepwise_decode_logits_and_greedy_tokens_match_transformers(pair):
+@pytest.mark.parametrize("native", [True, False], ids=["c_kernels", "torch"])
+def test_stepwise_decode_logits_and_greedy_tokens_match_transformers(pair, native):
+    """Both decode paths: the C library's (the CPU default) and torch's (what a CUDA graph captures)."""
     hf, path = pair
-    engine = Engine.from_pretrained(path)
-    # Decode as it runs by default: mixers and products on the C library where it is built.
-    assert engine.model.has_native_delta() and engine.model.has_native_attention()
+    engine = Engine.from_pretrained(path, decode_native=native)
+    assert engine.model.has_native_delta() == engine.model.has_native_attention() == engine.decode_native == native
     ids = torch.randint(0, engine.config.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
     first = engine.prefill(ids)
     with torch.no_grad():
