@@ -30,7 +30,7 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def kernel(name: str, argtypes: list, family: str = "") -> tuple[Callable[..., None], str] | None:
+def kernel(name: str, argtypes: list, family: str = "", restype: type | None = None) -> tuple[Callable, str] | None:
     """``flashrt_<name>`` with its argument types, and the version journals record of it
     (``flashrt_<family>_version``, the family being the C file's kernels, by default the
     kernel alone), or None where the library, the kernel or its version is missing."""
@@ -39,7 +39,7 @@ def kernel(name: str, argtypes: list, family: str = "") -> tuple[Callable[..., N
     version = getattr(lib, f"flashrt_{family or name}_version", None) if lib is not None else None
     if fn is None or version is None:
         return None
-    fn.argtypes, fn.restype = argtypes, None
+    fn.argtypes, fn.restype = argtypes, restype
     return fn, str(version())
 
 

@@ -5,12 +5,14 @@
  * in torch they are some twenty operations per layer, plus a copy of the keys to multiply them
  * (see flashrt_ros/runtime/attention_step.py).
  *
- * Threads take whole KV heads, and every sum runs in a fixed order: the same bytes for any
- * thread count. Dot products keep eight partial sums in a fixed pattern, so the compiler may
+ * Threads take whole KV heads, with the caller's floating-point mode, and every sum runs in a
+ * fixed order: the same bytes for any thread count. Dot products keep eight partial sums in a fixed pattern, so the compiler may
  * vectorise them without changing a result.
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "fp_mode.h"
 
 #ifdef __FAST_MATH__
 #error "attention_step.c must not be built with -ffast-math: it would reorder the sums its callers rely on"
@@ -56,19 +58,64 @@ static float dot(const float *a, const float *b, int n) {
     return sum;
 }
 
-void flashrt_attention_step(const struct flashrt_attention_layer *layer, const float *row, float *out,
-                            int threads) {
+/* KV head g and the query heads it serves, over rows [0, pos]: its K and V rows are read once,
+ * by one thread. */
+static void attend_kv_head(const struct flashrt_attention_layer *layer, const float *gate, float *out, long pos,
+                           int g) {
+    const int d = layer->head_dim, group = layer->heads / layer->kv_heads;
+    float *scores = layer->scores + (long)g * group * layer->rows;   /* [group, pos + 1] */
+    const float *q = layer->qk + (long)g * group * d;
+    for (long t = 0; t <= pos; t++) {
+        const float *kt = layer->keys + t * layer->row_stride + (long)g * d;
+        if (t + AHEAD <= pos)
+            prefetch_row(kt + AHEAD * layer->row_stride, d);
+        for (int h = 0; h < group; h++)
+            scores[h * layer->rows + t] = dot(q + (long)h * d, kt, d) * layer->scale;
+    }
+    for (int h = 0; h < group; h++) {
+        float *s = scores + h * layer->rows, top = -INFINITY, total = 0.0f;
+        for (long t = 0; t <= pos; t++)
+            top = s[t] > top ? s[t] : top;
+        for (long t = 0; t <= pos; t++) {
+            s[t] = expf(s[t] - top);
+            total += s[t];
+        }
+        for (long t = 0; t <= pos; t++)
+            s[t] = s[t] / total;
+        float *o = out + (long)(g * group + h) * d;
+        for (int j = 0; j < d; j++)
+            o[j] = 0.0f;
+    }
+    for (long t = 0; t <= pos; t++) {
+        const float *vt = layer->values + t * layer->row_stride + (long)g * d;
+        if (t + AHEAD <= pos)
+            prefetch_row(vt + AHEAD * layer->row_stride, d);
+        for (int h = 0; h < group; h++) {
+            const float p = scores[h * layer->rows + t];
+            float *o = out + (long)(g * group + h) * d;
+            for (int j = 0; j < d; j++)
+                o[j] += p * vt[j];
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        float *o = out + (long)(g * group + h) * d;
+        const float *gh = gate + (long)(g * group + h) * d;
+        for (int j = 0; j < d; j++)
+            o[j] = o[j] * (1.0f / (1.0f + expf(-gh[j])));
+    }
+}
+
+/* Returns 0, or -1 without touching anything when the position is outside the caches. */
+int flashrt_attention_step(const struct flashrt_attention_layer *layer, const float *row, float *out,
+                           int threads) {
     const int hq = layer->heads, hkv = layer->kv_heads, d = layer->head_dim, rot = layer->rotary;
-    const int half = rot / 2, group = hq / hkv;
+    const int half = rot / 2;
     if (threads < 1)
         threads = 1;
     const long pos = *layer->position;
     const float *gate = row + (long)(hq + hkv) * d, *v = gate + (long)hq * d;
-    if (pos < 0 || pos >= layer->rows) {   /* the engine checks room first: never silently wrong */
-        for (long i = 0; i < (long)hq * d; i++)
-            out[i] = NAN;
-        return;
-    }
+    if (pos < 0 || pos >= layer->rows)
+        return -1;
 
     /* RMS norm of each q and k head, then RoPE on its first ``rotary`` features. */
     const float *cos = layer->cos + pos * rot, *sin = layer->sin + pos * rot;
@@ -94,49 +141,18 @@ void flashrt_attention_step(const struct flashrt_attention_layer *layer, const f
         k_row[i] = layer->qk[(long)hq * d + i];
         v_row[i] = v[i];
     }
-    /* A KV head and the query heads it serves per thread: its K and V rows are read once, by
-     * one thread, and no head's sums depend on which thread ran it. */
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int g = 0; g < hkv; g++) {
-        float *scores = layer->scores + (long)g * group * layer->rows;   /* [group, pos + 1] */
-        const float *q = layer->qk + (long)g * group * d;
-        for (long t = 0; t <= pos; t++) {
-            const float *kt = layer->keys + t * layer->row_stride + (long)g * d;
-            prefetch_row(kt + AHEAD * layer->row_stride, d);
-            for (int h = 0; h < group; h++)
-                scores[h * layer->rows + t] = dot(q + (long)h * d, kt, d) * layer->scale;
-        }
-        for (int h = 0; h < group; h++) {
-            float *s = scores + h * layer->rows, top = -INFINITY, total = 0.0f;
-            for (long t = 0; t <= pos; t++)
-                top = s[t] > top ? s[t] : top;
-            for (long t = 0; t <= pos; t++) {
-                s[t] = expf(s[t] - top);
-                total += s[t];
-            }
-            for (long t = 0; t <= pos; t++)
-                s[t] = s[t] / total;
-            float *o = out + (long)(g * group + h) * d;
-            for (int j = 0; j < d; j++)
-                o[j] = 0.0f;
-        }
-        for (long t = 0; t <= pos; t++) {
-            const float *vt = layer->values + t * layer->row_stride + (long)g * d;
-            prefetch_row(vt + AHEAD * layer->row_stride, d);
-            for (int h = 0; h < group; h++) {
-                const float p = scores[h * layer->rows + t];
-                float *o = out + (long)(g * group + h) * d;
-                for (int j = 0; j < d; j++)
-                    o[j] += p * vt[j];
-            }
-        }
-        for (int h = 0; h < group; h++) {
-            float *o = out + (long)(g * group + h) * d;
-            const float *gh = gate + (long)(g * group + h) * d;
-            for (int j = 0; j < d; j++)
-                o[j] = o[j] * (1.0f / (1.0f + expf(-gh[j])));
-        }
+    /* Threads take whole KV heads: no head's sums depend on which thread ran it. */
+    const fp_mode mode = get_fp_mode();
+#pragma omp parallel num_threads(threads)
+    {
+        const fp_mode own = get_fp_mode();
+        set_fp_mode(mode);
+#pragma omp for schedule(static)
+        for (int g = 0; g < hkv; g++)
+            attend_kv_head(layer, gate, out, pos, g);
+        set_fp_mode(own);
     }
+    return 0;
 }
 
 /* Bumped whenever a change could alter a step's bytes: journals record it. */

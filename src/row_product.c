@@ -10,6 +10,8 @@
  */
 #include <stddef.h>
 
+#include "fp_mode.h"
+
 #ifdef __FAST_MATH__
 #error "row_product.c must not be built with -ffast-math: it would reorder the sums its callers rely on"
 #endif
@@ -68,25 +70,6 @@ static slab_fn slab_product;   /* set on first use; a benign race: every caller 
 /* Run the portable loop even where the FMA one serves (on != 0), or pick again: for the test
  * that both give the same bytes. */
 void flashrt_row_product_portable(int on) { slab_product = on ? slab_portable : pick_slab(); }
-
-/* The caller's floating-point mode (flush-to-zero, denormals-are-zero), for the worker threads:
- * the engine sets flush-to-zero on the thread that runs a step, and OpenMP's threads, made
- * earlier, would keep their own, so slabs would round tiny values one way or the other
- * depending on which thread took them. */
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-typedef unsigned int fp_mode;
-static fp_mode get_fp_mode(void) { return _mm_getcsr(); }
-static void set_fp_mode(fp_mode mode) { _mm_setcsr(mode); }
-#elif defined(__aarch64__)
-typedef unsigned long fp_mode;
-static fp_mode get_fp_mode(void) { fp_mode mode; __asm__ volatile("mrs %0, fpcr" : "=r"(mode)); return mode; }
-static void set_fp_mode(fp_mode mode) { __asm__ volatile("msr fpcr, %0" : : "r"(mode)); }
-#else
-typedef int fp_mode;
-static fp_mode get_fp_mode(void) { return 0; }
-static void set_fp_mode(fp_mode mode) { (void)mode; }
-#endif
 
 /* ``partials`` is scratch of SLABS * n floats; ``threads`` >= 1. */
 void flashrt_row_product(const float *x, const float *w, float *y, float *partials, long k, long n,

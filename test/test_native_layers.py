@@ -11,6 +11,7 @@ from flashrt_ros.errors import InvalidArgument
 from flashrt_ros.replay.session import engine_for, session_of
 from flashrt_ros.runtime import Engine, ModelConfig, attention_step, delta_step, row_ops
 from flashrt_ros.runtime.layers import rms_norm
+from thread_counts import at_thread_counts
 
 GROUPED_CONV3 = ModelConfig.tiny(
     vocab_size=317, hidden_size=72, intermediate_size=100,
@@ -81,6 +82,37 @@ def test_each_follows_the_torch_layer(cfg, kernel):
     assert (native.logits() - torch_layer.logits()).abs().max() < 1e-5
     for region in ("recurrent", "conv", "kv"):
         assert torch.allclose(native.arena.views[region], torch_layer.arena.views[region], atol=1e-5)
+
+
+def test_attention_is_the_same_bytes_at_any_thread_count_under_flush_to_zero():
+    """Threads take whole KV heads and the caller's flush-to-zero: a gate of -88 makes a
+    denormal sigmoid (about 6e-39), which the calling thread flushes to 0 and a worker thread
+    in its own mode would not."""
+    engine = Engine.from_config(NO_CONV_STATE_HALF_ROTARY, max_seq_len=16)   # two KV heads
+    block = next(b for b in engine.model.blocks if b.attend is not None)
+    cfg = engine.config
+    q_k, heads = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim, cfg.num_attention_heads
+    row = torch.zeros(1, block.in_proj.w.shape[1])
+    row[0, q_k:q_k + heads * cfg.head_dim] = -88.0          # the gate
+    row[0, q_k + heads * cfg.head_dim:] = 1.0                 # the value row
+    engine.model.position.fill_(5)
+    at_thread_counts(lambda: torch.ones(1 << 22).add_(1), (3,))   # OpenMP's threads made before the mode is set
+    torch.set_flush_denormal(True)
+    try:
+        outs = at_thread_counts(lambda: block.attend(row).clone(), (1, 2, 3))
+    finally:
+        torch.set_flush_denormal(False)
+    assert all(torch.equal(outs[0], out) for out in outs) and not outs[0].any()
+
+
+def test_a_position_outside_the_caches_is_refused():
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=16)
+    block = next(b for b in engine.model.blocks if b.attend is not None)
+    engine.model.position.fill_(16)
+    before = engine.arena.buffer.clone()
+    with pytest.raises(ValueError, match="position 16 is outside the caches' 16 rows"):
+        block.attend(torch.zeros(1, block.in_proj.w.shape[1]))
+    assert torch.equal(engine.arena.buffer, before)
 
 
 def test_wrong_rows_are_refused_before_a_kernel_touches_the_state():

@@ -35,7 +35,8 @@ class _Layer(ctypes.Structure):
                 ("scale", ctypes.c_float)]
 
 
-_KERNEL = native.kernel("attention_step", [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+_KERNEL = native.kernel("attention_step", [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+                        restype=ctypes.c_int)
 
 
 def available() -> bool:
@@ -85,5 +86,8 @@ class AttentionStep:
         """``row`` [1, q | k | gate | v] from the input projection; returns [1, heads * head_dim]
         for the output projection, in a buffer the next call reuses."""
         row = native.check_row("attention step", row, self._row)
-        _KERNEL[0](self._pointer, row.data_ptr(), self._out.data_ptr(), torch.get_num_threads())
+        if _KERNEL[0](self._pointer, row.data_ptr(), self._out.data_ptr(), torch.get_num_threads()) != 0:
+            # The engine checks room before a step; this guards the caches' memory all the same.
+            raise ValueError(f"attention step: position {int(self._keep[2])} is outside the caches' "
+                             f"{self._layer.rows} rows")
         return self._out

@@ -62,9 +62,10 @@ class Engine:
         on the C kernel of ``runtime.row_product`` where it is built (default True):
         the bench model's decode step took 0.8x the time of the torch fallback. So do
         one-token attention layers between their products (``runtime.delta_step``,
-        ``runtime.attention_step``). Their sums are the same on every machine and
-        thread count; the fallback's round otherwise, so a rollback or replay runs
-        with the engine's own setting, and ``engine.decode_native`` says which one runs.
+        ``runtime.attention_step``). They give the same bytes for any thread count
+        (and on machines whose libm ``expf`` agrees); the fallback rounds otherwise,
+        so a rollback or replay runs with the engine's own setting, and
+        ``engine.decode_native`` says which one runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",

@@ -41,7 +41,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """``layers.rms_norm`` of one row [1, n]; ``scale`` passed through ``check_scale``."""
     n = scale.shape[0]
     x = native.check_row("row norm", x, n)
-    out = torch.empty(1, n)
+    out = torch.empty(1, n, dtype=torch.float32)
     _NORM[0](x.data_ptr(), scale.data_ptr(), eps, n, out.data_ptr())
     return out
 
@@ -51,7 +51,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, eps: flo
     """(x + h, rms_norm(x + h)) for rows [1, n]."""
     n = scale.shape[0]
     x, h = native.check_row("row norm", x, n), native.check_row("row norm", h, n)
-    total, normed = torch.empty(1, n), torch.empty(1, n)
+    total, normed = torch.empty(1, n, dtype=torch.float32), torch.empty(1, n, dtype=torch.float32)
     _ADD_NORM[0](x.data_ptr(), h.data_ptr(), scale.data_ptr(), eps, n, total.data_ptr(), normed.data_ptr())
     return total, normed
 
@@ -60,6 +60,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of a row [1, 2n] = [gate | up]; returns [1, n]."""
     n = gate_up.shape[-1] // 2
     gate_up = native.check_row("silu_mul", gate_up, 2 * n)
-    out = torch.empty(1, n)
+    out = torch.empty(1, n, dtype=torch.float32)
     _SILU_MUL[0](gate_up.data_ptr(), n, out.data_ptr())
     return out
