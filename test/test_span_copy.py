@@ -3,6 +3,8 @@ slicing for any thread count, addresses only of byte tensors, and capsules that 
 bytes whichever copy made them."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -80,3 +82,29 @@ def test_capsules_are_the_same_bytes_through_torch_and_the_span_copy(monkeypatch
         assert engine.state_digest() == digests[-1]
         engine.close()
     assert digests[0] == digests[1]
+
+
+def test_a_buffer_shorter_than_the_layout_is_refused_and_nothing_is_kept():
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.prefill([1, 2, 3])
+    store = engine.capsules
+    used = store.used_bytes("device")
+    with pytest.raises(ValueError, match="spans reach byte"):
+        store.capture(engine.arena.buffer[:4096], 3, name=None, tier="device", pin=False, parent="", base=None,
+                      log_runs=())
+    assert store.used_bytes("device") == used and store.list() == []
+
+
+def test_ids_differ_in_a_forked_child(tmp_path):
+    """A child shares its parent's generator state at the fork: it is seeded again, or both would
+    make the same ids (and overwrite each other's disk capsules)."""
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=32)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: no OpenMP here (libgomp does not survive a fork once used)
+        try:
+            os.write(write, engine.capsules._new_id().encode())
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 64).decode() != engine.capsules._new_id()

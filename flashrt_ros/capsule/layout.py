@@ -22,6 +22,11 @@ class Layout:
         object.__setattr__(self, "rows", tuple((r.offset, r.row_bytes) for r in self.regions if r.per_token))
 
     @property
+    def nbytes(self) -> int:
+        """Where the last region ends: the least an arena buffer with this layout holds."""
+        return max((r.offset + r.nbytes for r in self.regions), default=0)
+
+    @property
     def max_position(self) -> int:
         """The rows each per-token region has room for (the arena's max_seq_len)."""
         return min((r.nbytes // r.row_bytes for r in self.regions if r.per_token), default=0)

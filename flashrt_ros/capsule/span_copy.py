@@ -36,12 +36,15 @@ def available() -> bool:
     return _COPY is not None
 
 
-def address_of(t: torch.Tensor) -> int:
+def address_of(t: torch.Tensor, nbytes: int = 0) -> int:
     """The address of a tensor whose bytes may be copied by span: 1-D, contiguous, uint8, on
-    the CPU (ValueError otherwise). Byte ``i`` of it is at ``address_of(t) + i``."""
+    the CPU, and at least ``nbytes`` long (ValueError otherwise). Byte ``i`` of it is at
+    ``address_of(t) + i``."""
     if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"spans are copied between 1-D contiguous uint8 CPU tensors, "
                          f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if t.numel() < nbytes:
+        raise ValueError(f"spans reach byte {nbytes} of a tensor of {t.numel()} bytes")
     return t.data_ptr()
 
 

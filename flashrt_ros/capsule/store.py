@@ -10,9 +10,11 @@ one background thread, from the capsule's own immutable copy.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
+import weakref
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -100,7 +102,7 @@ class RestorePlan:
         self.spans = None
         if self.same_device and buffer.device.type == "cpu" and span_copy.available():
             # Pieces lie inside their chunks and arena ranges inside the buffer, by construction.
-            at = span_copy.address_of(buffer)
+            at = span_copy.address_of(buffer, max(q.end for q in parts) if parts else 0)
             self.spans = span_copy.SpanCopy(
                 [v for q in parts for v in (at + q.start, q.chunk.address + q.offset, q.end - q.start)],
                 keep=[q.chunk for q in parts])
@@ -154,6 +156,13 @@ def _same_bytes_until(a: list[Piece], b: list[Piece], start: int, end: int) -> i
     return pos
 
 
+# Each store's id generator is seeded again in a forked child, which would otherwise make the
+# parent's ids (and overwrite its disk capsules in a shared capsule_dir).
+_STORES: "weakref.WeakSet[CapsuleStore]" = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [store._ids.seed() for store in list(_STORES)])
+
+
 class CapsuleStore:
     """Capsules by id and name; ``used_bytes`` and ``budget_bytes`` per tier."""
 
@@ -188,7 +197,8 @@ class CapsuleStore:
         self._local = {"device": True, "host": device.type == "cpu"}
         self._span_copy = device.type == "cpu" and span_copy.available()   # else torch copies
         self._buffer: tuple[torch.Tensor, int] | None = None   # the arena buffer and its address
-        self._ids = random.Random()   # seeded from os.urandom
+        self._ids = random.Random()   # seeded from os.urandom, and again in a forked child
+        _STORES.add(self)
         try:
             self.pool = DevicePool(self._budgets.get("device", 0), device)
         except (RuntimeError, MemoryError) as exc:   # torch's out-of-memory errors are RuntimeErrors
@@ -279,6 +289,8 @@ class CapsuleStore:
                     if r.per_token and start:
                         shared += base[0].pieces_in(r.offset, r.offset + start * r.row_bytes)
             ranges = self.layout.ranges(position, start)
+            # Checked before anything is allocated: a refused buffer must leave no chunk behind.
+            at = self._address_of(buffer) if self._local[tier] and self._span_copy else 0
             try:
                 # Room is made without spilling the base: that would free the very rows shared here.
                 chunk = self._allocate(tier, sum(e - s for s, e in ranges), spare=base[0] if shared else None)
@@ -289,8 +301,7 @@ class CapsuleStore:
                 chunk = self._allocate(tier, sum(e - s for s, e in ranges))
             need = chunk.nbytes
             pieces = _pieces_over(chunk, ranges)
-            if self._local[tier] and self._span_copy:
-                at = self._address_of(buffer)
+            if at:
                 span_copy.copy([v for p in pieces for v in (chunk.address + p.offset, at + p.start, p.end - p.start)])
             elif self._local[tier]:
                 # One dispatch for every range (see RestorePlan.run); ``cat`` into the chunk
@@ -454,14 +465,14 @@ class CapsuleStore:
         return parts
 
     def _new_id(self) -> str:
-        # 64 random bits, as secrets.token_hex(8) gives, from a generator seeded once from
-        # os.urandom: no system call on the snapshot path (measured 15-20 us from a cold cache).
+        # 64 random bits, as secrets.token_hex(8) gives, from a generator seeded from os.urandom
+        # (at start and in a forked child): no system call on the snapshot path (15-20 us cold).
         return f"{self._ids.getrandbits(64):016x}"
 
     def _address_of(self, buffer: torch.Tensor) -> int:
         """The arena buffer's address (checked once: the engine passes the same buffer)."""
         if self._buffer is None or self._buffer[0] is not buffer:
-            self._buffer = (buffer, span_copy.address_of(buffer))
+            self._buffer = (buffer, span_copy.address_of(buffer, self.layout.nbytes))
         return self._buffer[1]
 
     def _allocate(self, tier: str, nbytes: int, spare: Record | None = None) -> Chunk:
