@@ -105,21 +105,12 @@ static void attend_kv_head(const struct flashrt_attention_layer *layer, const fl
     }
 }
 
-/* Returns 0, or -1 without touching anything when the position is outside the caches. */
-int flashrt_attention_step(const struct flashrt_attention_layer *layer, const float *row, float *out,
-                           int threads) {
-    const int hq = layer->heads, hkv = layer->kv_heads, d = layer->head_dim, rot = layer->rotary;
-    const int half = rot / 2;
-    if (threads < 1)
-        threads = 1;
-    const long pos = *layer->position;
-    const float *gate = row + (long)(hq + hkv) * d, *v = gate + (long)hq * d;
-    if (pos < 0 || pos >= layer->rows)
-        return -1;
-
-    /* RMS norm of each q and k head, then RoPE on its first ``rotary`` features. */
+/* RMS norm of the first ``heads`` heads of ``row`` into the layer's qk scratch (norm weights
+ * row by row), then RoPE on each one's first ``rotary`` features at position ``pos``. */
+static void norm_rope_heads(const struct flashrt_attention_layer *layer, const float *row, int heads, long pos) {
+    const int d = layer->head_dim, rot = layer->rotary, half = rot / 2;
     const float *cos = layer->cos + pos * rot, *sin = layer->sin + pos * rot;
-    for (int h = 0; h < hq + hkv; h++) {
+    for (int h = 0; h < heads; h++) {
         const float *x = row + (long)h * d, *w = layer->norm + (long)h * d;
         float *y = layer->qk + (long)h * d;
         float sum = 0.0f;
@@ -134,13 +125,43 @@ int flashrt_attention_step(const struct flashrt_attention_layer *layer, const fl
         for (int i = 0; i < rot; i++)
             y[i] = y[i] * cos[i] + rotated[i] * sin[i];
     }
+}
 
-    /* This token's K and V rows, then every query head over rows [0, pos]. */
+/* This token's K and V rows at ``pos``. */
+static void write_kv_rows(const struct flashrt_attention_layer *layer, const float *k, const float *v, long pos) {
     float *k_row = layer->keys + pos * layer->row_stride, *v_row = layer->values + pos * layer->row_stride;
-    for (long i = 0; i < (long)hkv * d; i++) {
-        k_row[i] = layer->qk[(long)hq * d + i];
+    for (long i = 0; i < (long)layer->kv_heads * layer->head_dim; i++) {
+        k_row[i] = k[i];
         v_row[i] = v[i];
     }
+}
+
+/* A layer whose K and V rows are kept but never attended over here (the MTP layer's, until
+ * speculative decoding reads them): ``row`` = k | v, and the layer's norm is the k norm's rows
+ * alone (``heads`` 0). Returns 0, or -1 without touching anything when the position is outside
+ * the caches. */
+int flashrt_kv_rows(const struct flashrt_attention_layer *layer, const float *row) {
+    const long pos = *layer->position;
+    if (pos < 0 || pos >= layer->rows)
+        return -1;
+    norm_rope_heads(layer, row, layer->kv_heads, pos);
+    write_kv_rows(layer, layer->qk, row + (long)layer->kv_heads * layer->head_dim, pos);
+    return 0;
+}
+
+/* Returns 0, or -1 without touching anything when the position is outside the caches. */
+int flashrt_attention_step(const struct flashrt_attention_layer *layer, const float *row, float *out,
+                           int threads) {
+    const int hq = layer->heads, hkv = layer->kv_heads, d = layer->head_dim;
+    if (threads < 1)
+        threads = 1;
+    const long pos = *layer->position;
+    const float *gate = row + (long)(hq + hkv) * d, *v = gate + (long)hq * d;
+    if (pos < 0 || pos >= layer->rows)
+        return -1;
+
+    norm_rope_heads(layer, row, hq + hkv, pos);
+    write_kv_rows(layer, layer->qk + (long)hq * d, v, pos);
     /* Threads take whole KV heads: no head's sums depend on which thread ran it. */
     const fp_mode mode = get_fp_mode();
 #pragma omp parallel num_threads(threads)

@@ -75,12 +75,15 @@ def test_each_follows_the_torch_layer(cfg, kernel):
     native, torch_layer = Engine.from_config(cfg, max_seq_len=128), Engine.from_config(cfg, max_seq_len=128)
     for block in torch_layer.model.blocks:
         setattr(block, kernel, None)
+    if kernel == "attend":   # the MTP layer's K and V rows go through the attention kernel too
+        torch_layer.model.mtp_kv_rows = None
     assert not getattr(torch_layer.model, KERNELS[kernel])() and getattr(native.model, KERNELS[kernel])()
     for engine in (native, torch_layer):
         engine.prefill(ids)
     assert native.generate(40) == torch_layer.generate(40)
     assert (native.logits() - torch_layer.logits()).abs().max() < 1e-5
-    for region in ("recurrent", "conv", "kv"):
+    assert cfg.mtp_num_hidden_layers and "mtp.kv" in native.arena.views
+    for region in ("recurrent", "conv", "kv", "mtp.kv"):
         assert torch.allclose(native.arena.views[region], torch_layer.arena.views[region], atol=1e-5)
 
 

@@ -40,12 +40,44 @@ _KERNEL = native.kernel("attention_step", [ctypes.POINTER(_Layer), ctypes.c_void
 
 
 def available() -> bool:
-    return _KERNEL is not None
+    return _KERNEL is not None and _KV_ROWS is not None
 
 
 def version() -> str:
     """What decides the kernel's bytes, for journals; "" when it is not built."""
     return _KERNEL[1] if _KERNEL is not None else ""
+
+
+_KV_ROWS = native.kernel("kv_rows", [ctypes.POINTER(_Layer), ctypes.c_void_p], family="attention_step",
+                         restype=ctypes.c_int)
+
+
+def _bind(keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor, heads: int, eps: float) -> tuple[_Layer, tuple]:
+    """The C struct of a layer, after checking every tensor it points into; and those tensors
+    (with the scratch it needs), which must outlive it."""
+    if _KERNEL is None or _KV_ROWS is None:
+        raise RuntimeError("the attention-step kernel is not built (the package's C library is missing)")
+    rows, kv_heads, head_dim = keys.shape
+    rotary = cos.shape[1]
+    for name, t in (("keys", keys), ("values", values)):   # cache rows strided, each row contiguous
+        if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != (rows, kv_heads, head_dim) \
+                or t.stride() != keys.stride() or t.stride()[1:] != (head_dim, 1):
+            raise ValueError(f"attention step: {name} must be float32 CPU cache rows like the keys', got "
+                             f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+    native.check_float_tensors("attention step", {
+        "norm": (norm, (heads + kv_heads, head_dim)), "cos": (cos, (rows, rotary)), "sin": (sin, (rows, rotary))})
+    if position.dtype != torch.int64 or position.device.type != "cpu" or position.numel() != 1:
+        raise ValueError("attention step: position must be the arena's int64 CPU counter")
+    if kv_heads < 1 or heads % kv_heads or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"attention step: {heads} query heads over {kv_heads} KV heads, rotary {rotary} of "
+                         f"{head_dim}")
+    scores = torch.empty(heads, rows, dtype=torch.float32)
+    qk = torch.empty((heads + kv_heads) * head_dim, dtype=torch.float32)
+    layer = _Layer(keys.data_ptr(), values.data_ptr(), keys.stride(0), rows, position.data_ptr(), norm.data_ptr(),
+                   cos.data_ptr(), sin.data_ptr(), scores.data_ptr(), qk.data_ptr(), heads, kv_heads, head_dim,
+                   rotary, eps, head_dim ** -0.5)
+    return layer, (keys, values, position, norm, cos, sin, scores, qk)
 
 
 class AttentionStep:
@@ -56,38 +88,40 @@ class AttentionStep:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, norm: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, *, heads: int, eps: float) -> None:
-        if _KERNEL is None:
-            raise RuntimeError("the attention-step kernel is not built (the package's C library is missing)")
-        rows, kv_heads, head_dim = keys.shape
-        rotary = cos.shape[1]
-        for name, t in (("keys", keys), ("values", values)):   # cache rows strided, each row contiguous
-            if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != (rows, kv_heads, head_dim) \
-                    or t.stride() != keys.stride() or t.stride()[1:] != (head_dim, 1):
-                raise ValueError(f"attention step: {name} must be float32 CPU cache rows like the keys', got "
-                                 f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
-        native.check_float_tensors("attention step", {
-            "norm": (norm, (heads + kv_heads, head_dim)), "cos": (cos, (rows, rotary)), "sin": (sin, (rows, rotary))})
-        if position.dtype != torch.int64 or position.device.type != "cpu" or position.numel() != 1:
-            raise ValueError("attention step: position must be the arena's int64 CPU counter")
-        if kv_heads < 1 or heads % kv_heads or rotary % 2 or rotary > head_dim:
-            raise ValueError(f"attention step: {heads} query heads over {kv_heads} KV heads, rotary {rotary} of "
-                             f"{head_dim}")
-        scores = torch.empty(heads, rows, dtype=torch.float32)
-        qk = torch.empty((heads + kv_heads) * head_dim, dtype=torch.float32)
+        self._layer, self._keep = _bind(keys, values, position, norm, cos, sin, heads, eps)
+        self._pointer = ctypes.pointer(self._layer)
+        head_dim, kv_heads = self._layer.head_dim, self._layer.kv_heads
         self._out = torch.empty(1, heads * head_dim, dtype=torch.float32)
         self._row = (2 * heads + 2 * kv_heads) * head_dim   # q | k | gate | v
-        self._keep = (keys, values, position, norm, cos, sin, scores, qk)
-        self._layer = _Layer(keys.data_ptr(), values.data_ptr(), keys.stride(0), rows, position.data_ptr(),
-                             norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), scores.data_ptr(), qk.data_ptr(),
-                             heads, kv_heads, head_dim, rotary, eps, head_dim ** -0.5)
-        self._pointer = ctypes.pointer(self._layer)
 
     def __call__(self, row: torch.Tensor) -> torch.Tensor:
         """``row`` [1, q | k | gate | v] from the input projection; returns [1, heads * head_dim]
         for the output projection, in a buffer the next call reuses."""
         row = native.check_row("attention step", row, self._row)
         if _KERNEL[0](self._pointer, row.data_ptr(), self._out.data_ptr(), torch.get_num_threads()) != 0:
-            # The engine checks room before a step; this guards the caches' memory all the same.
-            raise ValueError(f"attention step: position {int(self._keep[2])} is outside the caches' "
-                             f"{self._layer.rows} rows")
+            _outside(self._layer)
         return self._out
+
+
+class KVRows:
+    """A layer whose K and V rows are kept, not attended over (the MTP layer's): its k norm,
+    RoPE, and the rows written at the arena's position."""
+
+    __slots__ = ("_layer", "_pointer", "_row", "_keep")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, k_norm: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, *, eps: float) -> None:
+        self._layer, self._keep = _bind(keys, values, position, k_norm, cos, sin, 0, eps)
+        self._pointer = ctypes.pointer(self._layer)
+        self._row = 2 * self._layer.kv_heads * self._layer.head_dim   # k | v
+
+    def __call__(self, row: torch.Tensor) -> None:
+        row = native.check_row("kv rows", row, self._row)
+        if _KV_ROWS[0](self._pointer, row.data_ptr()) != 0:
+            _outside(self._layer)
+
+
+def _outside(layer: _Layer) -> None:
+    # The engine checks room before a step; this guards the caches' memory all the same.
+    position = ctypes.cast(layer.position, ctypes.POINTER(ctypes.c_int64))[0]
+    raise ValueError(f"attention step: position {position} is outside the caches' {layer.rows} rows")

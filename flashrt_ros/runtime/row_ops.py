@@ -37,11 +37,15 @@ def check_scale(scale: torch.Tensor, width: int) -> None:
     native.check_float_tensors("row norm", {"scale": (scale, (width,))})
 
 
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """``layers.rms_norm`` of one row [1, n]; ``scale`` passed through ``check_scale``."""
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``layers.rms_norm`` of one row [1, n]; ``scale`` passed through ``check_scale``. Into
+    ``out`` (a contiguous float32 row [1, n]) when given."""
     n = scale.shape[0]
     x = native.check_row("row norm", x, n)
-    out = torch.empty(1, n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(1, n, dtype=torch.float32)
+    elif native.check_row("row norm output", out, n) is not out:   # a copy would take the result
+        raise ValueError("row norm output must be contiguous")
     _NORM[0](x.data_ptr(), scale.data_ptr(), eps, n, out.data_ptr())
     return out
 

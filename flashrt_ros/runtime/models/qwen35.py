@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .. import attention_step, delta_step, gated_delta, row_ops, sampling
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
-from ..attention_step import AttentionStep
+from ..attention_step import AttentionStep, KVRows
 from ..config import FULL, LINEAR, ModelConfig
 from ..delta_step import DeltaStep
 from ...hugepages import empty_huge
@@ -168,7 +168,10 @@ class Qwen35:
         # on the C library too (see row_ops).
         self.native_glue = native_rows and row_ops.available()
         if self.native_glue:
-            for scale in [self.final_norm] + [t for b in self.blocks for t in (b.ln_in, b.ln_post)]:
+            norms = [self.final_norm] + [t for b in self.blocks for t in (b.ln_in, b.ln_post)]
+            if self.mtp is not None:
+                norms += [self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in]
+            for scale in norms:
                 row_ops.check_scale(scale, cfg.hidden_size)
         if cfg.policy:
             self.obs_proj = cast.t(weights["policy.obs_proj.weight"])
@@ -210,6 +213,10 @@ class Qwen35:
             if b.kind == FULL and self.native_rows and attention_step.available():
                 b.attend = AttentionStep(self.kv[:, b.slot, 0], self.kv[:, b.slot, 1], self.position, b.norm_a,
                                          self.cos, self.sin, heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps)
+        self.mtp_kv_rows = None
+        if self.mtp is not None and self.native_glue and attention_step.available():
+            self.mtp_kv_rows = KVRows(self.mtp_kv[:, 0], self.mtp_kv[:, 1], self.position, self.mtp_k_norm,
+                                      self.cos, self.sin, eps=cfg.rms_norm_eps)
 
     # ---- mixers ------------------------------------------------------------------------------
     def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
@@ -295,6 +302,12 @@ class Qwen35:
         """MTP K and V rows at ``positions``: the MTP layer pairs token t's embedding with
         the hidden state of token t-1, exactly as its full forward would."""
         cfg, n, eps = self.cfg, embeds.shape[0], self.cfg.rms_norm_eps
+        if n == 1 and self.native_glue and self.mtp_kv_rows is not None:   # native decode: a few C calls
+            m, hidden = torch.empty(1, 2 * cfg.hidden_size, dtype=torch.float32), cfg.hidden_size
+            row_ops.rms_norm(embeds, self.mtp_norm_embed, eps, out=m[:, :hidden])
+            row_ops.rms_norm(prev_hidden, self.mtp_norm_hidden, eps, out=m[:, hidden:])
+            self.mtp_kv_rows(self.mtp_kv_proj(row_ops.rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)))
+            return
         m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)], -1)
         h = rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)
         k, v = self.mtp_kv_proj(h).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
@@ -367,8 +380,9 @@ class Qwen35:
         return any(b.delta is not None for b in self.blocks)
 
     def has_native_attention(self) -> bool:
-        """Whether one-token attention layers run on the C kernel (see attention_step); set by ``bind``."""
-        return any(b.attend is not None for b in self.blocks)
+        """Whether one-token attention layers (the MTP layer's K and V rows included) run on the
+        C kernel (see attention_step); set by ``bind``."""
+        return any(b.attend is not None for b in self.blocks) or self.mtp_kv_rows is not None
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""
