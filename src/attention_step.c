@@ -6,8 +6,9 @@
  * (see flashrt_ros/runtime/attention_step.py).
  *
  * Threads take whole KV heads, with the caller's floating-point mode, and every sum runs in a
- * fixed order: the same bytes for any thread count. Dot products keep eight partial sums in a fixed pattern, so the compiler may
- * vectorise them without changing a result.
+ * fixed order: the same bytes for any thread count. Dot products keep eight partial sums in a
+ * fixed pattern, so the compiler may vectorise them without changing a result. The MTP layer's
+ * K and V rows, which nothing attends over yet, take the same norm and RoPE (flashrt_kv_rows).
  */
 #include <math.h>
 #include <stdint.h>

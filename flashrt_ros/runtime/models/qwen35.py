@@ -308,7 +308,8 @@ class Qwen35:
             row_ops.rms_norm(prev_hidden, self.mtp_norm_hidden, eps, out=m[:, hidden:])
             self.mtp_kv_rows(self.mtp_kv_proj(row_ops.rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)))
             return
-        m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)], -1)
+        m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)],
+                      -1)
         h = rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)
         k, v = self.mtp_kv_proj(h).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
         k = apply_rope(rms_norm(k, self.mtp_k_norm, eps), *rope)
