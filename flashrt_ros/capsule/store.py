@@ -90,7 +90,8 @@ class Record:
 
 
 class RestorePlan:
-    """Arena views and capsule views paired up, so a restore is one batched copy."""
+    """A restore's copies, prepared once: byte spans for one call to the C library on a CPU,
+    else arena and capsule views paired up for one batched torch copy."""
 
     __slots__ = ("buffer", "arena", "capsule", "same_device", "spans", "fixed", "fixed_owner")
 
