@@ -78,6 +78,48 @@ def test_wrong_tensors_are_refused_before_the_kernel_touches_them():
         row_product.row_product(torch.randn(1, 16), w, torch.empty(4))
 
 
+@pytest.mark.parametrize("k, n", [(512, 1552), (1536, 512), (64, 32768), (128, 8)])
+def test_the_tiled_layout_gives_the_bytes_of_the_row_major_one(k, n):
+    """Same FMA chains in the same order, read from tiles: the same bytes at any thread count
+    and in the portable loop."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(k, n, generator=gen), torch.randn(1, k, generator=gen)
+    tiles, scratch = row_product.tiled(w), row_product.scratch(n)
+    # The same values, moved (one tile wide, n = 8, is row-major already).
+    assert torch.equal(tiles, w) == (n == 8) and torch.equal(tiles.flatten().sort()[0], w.flatten().sort()[0])
+    plain = _product(x, w)
+    for out in at_thread_counts(lambda: row_product.row_product(x, tiles, scratch, is_tiled=True)):
+        assert torch.equal(out, plain)
+    row_product.use_portable_loop(True)
+    try:
+        assert torch.equal(row_product.row_product(x, tiles, scratch, is_tiled=True), plain)
+    finally:
+        row_product.use_portable_loop(False)
+
+
+def test_shapes_the_tiled_layout_does_not_fit_are_refused():
+    assert row_product.tiles_serve(512, 1552) and not row_product.tiles_serve(500, 1552)
+    assert not row_product.tiles_serve(512, 1550)
+    with pytest.raises(ValueError, match="cannot take the tiled layout"):
+        row_product.tiled(torch.randn(60, 16))
+    with pytest.raises(ValueError, match="cannot be in the tiled layout"):
+        row_product.row_product(torch.randn(1, 60), torch.randn(60, 16), row_product.scratch(16), is_tiled=True)
+
+
+def test_projections_tile_only_weights_whose_many_row_products_never_read_them():
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(512, 512, generator=gen), torch.randn(3, 512, generator=gen)
+    blocked = Projection(w, blocked=True, native_rows=True)       # prefill reads oneDNN's copy
+    head = Projection(w, native_rows=True, many_rows=False)        # like the LM head: one row only
+    plain = Projection(w, native_rows=True)                        # prefill reads w itself
+    assert blocked.tiled and head.tiled and not plain.tiled and torch.equal(plain.w, w)
+    for proj in (blocked, head, plain):
+        assert torch.equal(proj(x[:1]), _product(x[:1], w))
+    assert torch.allclose(blocked(x), project(x, w), atol=1e-4)
+    with pytest.raises(ValueError, match="one row at a time"):
+        head(x)
+
+
 def test_projections_use_it_for_one_row_only():
     gen = torch.Generator().manual_seed(2)
     w, x = torch.randn(256, 96, generator=gen), torch.randn(4, 256, generator=gen)

@@ -81,22 +81,31 @@ def native_rows_serve(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Projection:
     """``x @ w`` for w [in, out]; many-row inputs go through ``blocked`` when there is one,
-    one-row inputs through the C kernel when ``partials`` is set (``native_rows``)."""
+    one-row inputs through the C kernel when ``partials`` is set (``native_rows``).
 
-    __slots__ = ("w", "blocked", "partials")
+    Where many-row products never read ``w`` (they go through the blocked copy, or, with
+    ``many_rows`` False, there are none), the kernel's own tiled layout replaces it
+    (``tiled``; see ``row_product.tiled``): no second copy of the weight."""
 
-    def __init__(self, w: torch.Tensor, blocked: bool = False, native_rows: bool = False) -> None:
-        self.w = w
+    __slots__ = ("w", "blocked", "partials", "tiled")
+
+    def __init__(self, w: torch.Tensor, blocked: bool = False, native_rows: bool = False,
+                 many_rows: bool = True) -> None:
         # oneDNN takes the weight as [out, in] and returns its own (opaque) tensor.
         self.blocked = (torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), _ROWS_HINT)
                         if blocked and w.numel() >= _MIN_BLOCKED else None)
         self.partials = row_product.scratch(w.shape[1]) if native_rows else None
+        self.tiled = (self.partials is not None and (self.blocked is not None or not many_rows)
+                      and row_product.tiles_serve(*w.shape))
+        self.w = row_product.tiled(w) if self.tiled else w
         if self.partials is not None:
-            row_product.check_weight(w, self.partials)
+            row_product.check_weight(self.w, self.partials)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self.partials is not None:
-            return row_product.times_row(x, self.w, self.partials)
+            return row_product.times_row(x, self.w, self.partials, self.tiled)
         if self.blocked is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, None, "none", [], "")
+        if self.tiled:   # only a projection built with many_rows=False gets here
+            raise ValueError("this projection multiplies one row at a time (built with many_rows=False)")
         return project(x, self.w)

@@ -6,10 +6,12 @@ torch's GEMV (one thread) nor a batched product over slabs of the weight (two
 threads, the fallback in ``projection.project``) reads as fast as a plain
 ``sum`` over the same bytes: on the 2-core bench VM the slab products ran at
 15-18 GB/s against 25-35 GB/s for the sum, which left the decode step at 2.3x
-its bandwidth limit. Measured alone, the kernel reads within 10-15% of the
-sum's speed (less inside a step, where the small operations between products
-leave colder caches), and the bench model's decode step went from 15.1 to
-11.9 ms (interleaved, 7 rounds).
+its bandwidth limit. The kernel took the bench model's decode step from 15.1
+to 11.9 ms (interleaved, 7 rounds). Weights that prefill never reads in their
+row-major form (see ``Projection``) are kept in the kernel's tiled layout
+(``tiled``), which it reads as one sequential stream: 35 against 28 GB/s over
+the bench model's weights, where a plain sum read 38, the same bytes out, and
+a step of 7.3-7.4 against 7.8-8.5 ms side by side.
 
 Its sums do not depend on the thread count or the CPU (see the C file): a
 journal recorded with it replays to the same bytes on any machine that has it.
@@ -27,6 +29,7 @@ from typing import Callable
 import torch
 
 from .. import native
+from ..hugepages import empty_huge
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,11 @@ def _load() -> tuple[Callable[..., None], int, ctypes.CDLL, int] | None:
     except AttributeError as exc:   # a library from another build of the package
         log.warning("the C library has no row-product kernel (%s): decode products fall back to torch", exc)
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    fn.restype = None
+    if not hasattr(lib, "flashrt_row_product_tile_rows"):   # an older build: another signature
+        log.warning("the C library's row-product kernel is too old: decode products fall back to torch")
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
     return fn, lib.flashrt_row_product_slabs(), lib, version
 
 
@@ -82,13 +88,37 @@ def check_weight(w: torch.Tensor, partials: torch.Tensor) -> None:
         raise ValueError("row_product needs a contiguous 2-D weight and partials from scratch(n)")
 
 
-def row_product(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
-    """x [1, k] @ w [k, n], float32 on the CPU; w contiguous, ``partials`` from ``scratch(n)``."""
+def tiles_serve(k: int, n: int) -> bool:
+    """Whether a [k, n] weight can take the tiled layout (see ``tiled``)."""
+    if _KERNEL is None:
+        return False
+    rows, cols = _KERNEL[2].flashrt_row_product_tile_rows(), _KERNEL[2].flashrt_row_product_tile_columns()
+    return k % (_KERNEL[1] * rows) == 0 and n % cols == 0
+
+
+def tiled(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [k, n] in the kernel's tiled layout, same shape and bytes count: each block of
+    R rows as tiles of R rows x C columns, one after the other (R, C from the C file). The
+    kernel then streams a slab of it in one sequential pass instead of R side by side (28
+    against 35 GB/s over the bench model's weights) and computes the same bytes."""
+    k, n = w.shape
+    if not tiles_serve(k, n):
+        raise ValueError(f"a [{k}, {n}] weight cannot take the tiled layout")
+    rows, cols = _KERNEL[2].flashrt_row_product_tile_rows(), _KERNEL[2].flashrt_row_product_tile_columns()
+    blocks = w.reshape(k // rows, rows, n // cols, cols).permute(0, 2, 1, 3)
+    return empty_huge((k, n), torch.float32, w.device).view(k // rows, n // cols, rows, cols).copy_(blocks).view(k, n)
+
+
+def row_product(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor, is_tiled: bool = False) -> torch.Tensor:
+    """x [1, k] @ w [k, n], float32 on the CPU; w contiguous (in the tiled layout when
+    ``is_tiled``), ``partials`` from ``scratch(n)``."""
     check_weight(w, partials)
-    return times_row(x, w, partials)
+    if is_tiled and not tiles_serve(*w.shape):
+        raise ValueError(f"a [{w.shape[0]}, {w.shape[1]}] weight cannot be in the tiled layout")
+    return times_row(x, w, partials, is_tiled)
 
 
-def times_row(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+def times_row(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor, is_tiled: bool = False) -> torch.Tensor:
     """``row_product`` for a weight and partials already passed through ``check_weight``.
 
     The kernel runs without the interpreter lock (ctypes lets it go for the call), and
@@ -102,5 +132,7 @@ def times_row(x: torch.Tensor, w: torch.Tensor, partials: torch.Tensor) -> torch
         raise ValueError(f"row_product multiplies one row [1, {k}], got {tuple(x.shape)}")
     x = x.contiguous()
     y = torch.empty(1, n, dtype=torch.float32)
-    _KERNEL[0](x.data_ptr(), w.data_ptr(), y.data_ptr(), partials.data_ptr(), k, n, torch.get_num_threads())
+    if _KERNEL[0](x.data_ptr(), w.data_ptr(), y.data_ptr(), partials.data_ptr(), k, n, torch.get_num_threads(),
+                  int(is_tiled)) != 0:
+        raise ValueError(f"a [{k}, {n}] weight cannot be in the tiled layout")
     return y

@@ -93,7 +93,8 @@ class _Cast:
 
     def proj(self, *parts: torch.Tensor, many_rows: bool = True) -> Projection:
         """``many_rows``: prefill multiplies it (the LM head and the MTP draft layer it never does)."""
-        return Projection(self.t(*parts), blocked=self.blocked and many_rows, native_rows=self.native_rows)
+        return Projection(self.t(*parts), blocked=self.blocked and many_rows, native_rows=self.native_rows,
+                          many_rows=many_rows)
 
     def one_plus(self, w: torch.Tensor) -> torch.Tensor:
         return (1.0 + w.detach().float()).to(self.device)
