@@ -104,7 +104,6 @@ static slab_fn pick_slab(void) { return slab_portable; }
 static slab_fn pick_tiled(void) { return tiled_portable; }
 #endif
 
-/* Set on first use; a benign race: every caller picks the same. */
 static slab_fn slab_product, tiled_product;
 
 /* Run the portable loops even where the FMA ones serve (on != 0), or pick again: for the test
@@ -114,6 +113,9 @@ void flashrt_row_product_portable(int on) {
     tiled_product = on ? tiled_portable : pick_tiled();
 }
 
+/* Picked when the library is loaded, before any caller can race for it. */
+__attribute__((constructor)) static void pick_loops(void) { flashrt_row_product_portable(0); }
+
 /* ``partials`` is scratch of SLABS * n floats; ``threads`` >= 1; ``tiled``: W is in the tiled
  * layout, which needs k a multiple of SLABS * ROWS and n of TILE. Returns 0, or -1 without
  * touching anything when the shape does not allow the layout. */
@@ -121,8 +123,6 @@ int flashrt_row_product(const float *x, const float *w, float *y, float *partial
                         int tiled) {
     if (tiled && (k % (SLABS * ROWS) || n % TILE))
         return -1;
-    if (!slab_product || !tiled_product)
-        flashrt_row_product_portable(0);
     const slab_fn slab = tiled ? tiled_product : slab_product;
     const fp_mode mode = get_fp_mode();
 #pragma omp parallel num_threads(threads)

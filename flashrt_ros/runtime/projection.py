@@ -106,6 +106,6 @@ class Projection:
             return row_product.times_row(x, self.w, self.partials, self.tiled)
         if self.blocked is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.blocked, None, "none", [], "")
-        if self.tiled:   # only a projection built with many_rows=False gets here
+        if self.tiled and x.shape[0]:   # only a projection built with many_rows=False gets here
             raise ValueError("this projection multiplies one row at a time (built with many_rows=False)")
         return project(x, self.w)

@@ -34,7 +34,7 @@ from ..hugepages import empty_huge
 log = logging.getLogger(__name__)
 
 
-def _load() -> tuple[Callable[..., None], int, ctypes.CDLL, int] | None:
+def _load() -> tuple[Callable[..., int], int, ctypes.CDLL, int] | None:
     lib = native.library()
     if lib is None:
         return None
