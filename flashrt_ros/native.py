@@ -30,13 +30,17 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def kernel(name: str, argtypes: list, family: str = "", restype: type | None = None) -> tuple[Callable, str] | None:
+def kernel(name: str, argtypes: list, family: str = "", restype: type | None = None,
+           versioned: bool = True) -> tuple[Callable, str] | None:
     """``flashrt_<name>`` with its argument types, and the version journals record of it
     (``flashrt_<family>_version``, the family being the C file's kernels, by default the
-    kernel alone), or None where the library, the kernel or its version is missing."""
+    kernel alone; "" when not ``versioned``, for work whose bytes cannot change, a copy),
+    or None where the library, the kernel or its version is missing."""
     lib = library()
-    fn = getattr(lib, f"flashrt_{name}", None) if lib is not None else None
-    version = getattr(lib, f"flashrt_{family or name}_version", None) if lib is not None else None
+    if lib is None:
+        return None
+    fn = getattr(lib, f"flashrt_{name}", None)
+    version = getattr(lib, f"flashrt_{family or name}_version", None) if versioned else (lambda: "")
     if fn is None or version is None:
         return None
     fn.argtypes, fn.restype = argtypes, restype

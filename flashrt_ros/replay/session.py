@@ -91,8 +91,8 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
         raise InvalidArgument(f"the session ran one-row products on the C kernel of flashrt_ros.runtime.row_product, "
                               f"which is not built here or cannot serve device {device}: rebuild the package with a "
                               f"C compiler (colcon build, or pip install .), or replay on a CPU")
-    for kernel, version in native_kernels(engine).items():
-        if engine.decode_native and session.get(kernel, "") != version:
+    for kernel, version in (native_kernels(engine) if engine.decode_native else {}).items():
+        if session.get(kernel, "") != version:
             engine.close()
             raise InvalidArgument(f"the session ran {kernel} kernel {session.get(kernel, '')!r}, this build has "
                                   f"{version!r}: their results may round differently")

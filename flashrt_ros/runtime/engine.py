@@ -59,13 +59,14 @@ class Engine:
         with the engine's own setting. ``engine.prefill_blocked`` says whether any
         product runs on a blocked copy.
       decode_native: on a CPU in float32, one-row products (decode and policy steps) run
-        on the C kernel of ``runtime.row_product`` where it is built (default True):
-        the bench model's decode step took 0.8x the time of the torch fallback. So do
-        one-token attention layers between their products (``runtime.delta_step``,
-        ``runtime.attention_step``). They give the same bytes for any thread count
-        (and on machines whose libm ``expf`` agrees); the fallback rounds otherwise,
-        so a rollback or replay runs with the engine's own setting, and
-        ``engine.decode_native`` says which one runs.
+        on the C kernel of ``runtime.row_product`` where it is built (default True),
+        and so do one-token attention layers between them (``runtime.delta_step``,
+        ``runtime.attention_step``) and the norms around them (``runtime.row_ops``):
+        the bench model's decode step took 8.1-8.8 against 13.2-13.7 ms on torch side
+        by side, before the tiled weights took off 0.4-1 ms more. They give the same
+        bytes for any thread count (and on machines whose libm ``expf`` agrees); the
+        fallback rounds otherwise, so a rollback or replay runs with the engine's own
+        setting, and ``engine.decode_native`` says which one runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",

@@ -23,7 +23,6 @@ the slab products, which round differently: engines record which one they use
 from __future__ import annotations
 
 import ctypes
-import logging
 from typing import Callable
 
 import torch
@@ -31,24 +30,14 @@ import torch
 from .. import native
 from ..hugepages import empty_huge
 
-log = logging.getLogger(__name__)
 
-
-def _load() -> tuple[Callable[..., int], int, ctypes.CDLL, int] | None:
+def _load() -> tuple[Callable[..., int], int, ctypes.CDLL, str] | None:
+    found = native.kernel("row_product", [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                                                                   ctypes.c_int], restype=ctypes.c_int)
     lib = native.library()
-    if lib is None:
+    if found is None or not hasattr(lib, "flashrt_row_product_tile_rows"):   # not built, or an older build
         return None
-    try:
-        fn, version = lib.flashrt_row_product, lib.flashrt_row_product_version()
-    except AttributeError as exc:   # a library from another build of the package
-        log.warning("the C library has no row-product kernel (%s): decode products fall back to torch", exc)
-        return None
-    if not hasattr(lib, "flashrt_row_product_tile_rows"):   # an older build: another signature
-        log.warning("the C library's row-product kernel is too old: decode products fall back to torch")
-        return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn, lib.flashrt_row_product_slabs(), lib, version
+    return found[0], lib.flashrt_row_product_slabs(), lib, found[1]
 
 
 _KERNEL = _load()
