@@ -43,7 +43,7 @@ NATIVE = Extension("flashrt_ros._native",
                    sources=["src/row_product.c", "src/row_ops.c", "src/delta_step.c", "src/attention_step.c",
                             "src/copy_spans.c"],
                    depends=["src/fp_mode.h"],
-                   extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
+                   extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fopenmp"],
                    extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
 
 setup(

@@ -62,3 +62,12 @@ def check_row(what: str, row: torch.Tensor, width: int) -> torch.Tensor:
         raise ValueError(f"{what} takes one float32 CPU row of {width}, got {row.dtype} {tuple(row.shape)} "
                          f"on {row.device}")
     return row.contiguous()
+
+
+def check_rows(what: str, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``rows`` as contiguous float32 CPU rows [n >= 1, width] (ValueError if they are not)."""
+    if rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.dim() != 2 or rows.shape[0] < 1 \
+            or rows.shape[1] != width:
+        raise ValueError(f"{what} takes float32 CPU rows of {width}, got {rows.dtype} {tuple(rows.shape)} "
+                         f"on {rows.device}")
+    return rows.contiguous()

@@ -87,6 +87,53 @@ def test_each_follows_the_torch_layer(cfg, kernel):
         assert torch.allclose(native.arena.views[region], torch_layer.arena.views[region], atol=1e-5)
 
 
+def _delta_layer(cfg: ModelConfig, n: int):
+    """An engine's first linear layer with its kernel, and ``n`` input rows for it (gates and
+    conv inputs of ordinary sizes)."""
+    engine = Engine.from_config(cfg, max_seq_len=16)
+    block = next(b for b in engine.model.blocks if b.delta is not None)
+    rows = torch.randn(n, block.in_proj.w.shape[1], generator=torch.Generator().manual_seed(7))
+    return engine, block, rows
+
+
+def _delta_state(engine: Engine) -> torch.Tensor:
+    return torch.cat([engine.arena.views[r].flatten() for r in ("conv", "recurrent")])
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig.tiny(), GROUPED_CONV3, NO_CONV_STATE_HALF_ROTARY],
+                         ids=["tiny", "grouped", "k1_half_rotary"])
+def test_a_prompt_through_the_delta_kernel_is_its_tokens_one_by_one(cfg):
+    """Prefill runs the rule token after token, as decode does: a prompt in one call, in pieces
+    (shorter than the conv's window, too) and token by token give the same bytes."""
+    outs, states = [], []
+    for pieces in ((9,), (2, 1, 6), (1,) * 9):
+        engine, block, rows = _delta_layer(cfg, 9)
+        starts = [sum(pieces[:i]) for i in range(len(pieces))]
+        outs.append(torch.cat([block.delta(rows[s:s + p]).clone() for s, p in zip(starts, pieces)]))
+        states.append(_delta_state(engine))
+    assert all(torch.equal(outs[0], out) for out in outs) and all(torch.equal(states[0], s) for s in states)
+    assert outs[0].abs().sum() > 0 and states[0].abs().sum() > 0
+
+
+def test_the_delta_kernel_is_the_same_bytes_at_any_thread_count_and_in_its_portable_loops():
+    engine, block, rows = _delta_layer(GROUPED_CONV3, 40)
+    views = [engine.arena.views[region] for region in ("conv", "recurrent")]
+    saved = [view.clone() for view in views]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        for view, before in zip(views, saved):
+            view.copy_(before)
+        return block.delta(rows).clone(), _delta_state(engine)
+
+    outs = at_thread_counts(run, (1, 2, 3))
+    delta_step.use_portable_loops(True)
+    try:
+        outs.append(run())
+    finally:
+        delta_step.use_portable_loops(False)
+    assert all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1], s) for o, s in outs)
+
+
 def test_attention_is_the_same_bytes_at_any_thread_count_under_flush_to_zero():
     """Threads take whole KV heads and the caller's flush-to-zero: a gate of -88 makes a
     denormal sigmoid (about 6e-39), which the calling thread flushes to 0 and a worker thread
@@ -123,10 +170,12 @@ def test_wrong_rows_are_refused_before_a_kernel_touches_the_state():
     engine.prefill([1, 2, 3])
     before = engine.arena.buffer.clone()
     for block in engine.model.blocks:
-        layer = block.delta or block.attend
-        width = block.in_proj.w.shape[1]
-        for row in (torch.zeros(1, 5), torch.zeros(2, width), torch.zeros(1, width, dtype=torch.float64)):
-            with pytest.raises(ValueError, match="one float32 CPU row"):
+        layer, width = block.delta or block.attend, block.in_proj.w.shape[1]
+        wrong = [torch.zeros(1, 5), torch.zeros(1, width, dtype=torch.float64), torch.zeros(0, width)]
+        if block.attend is not None:   # one token at a time; the delta kernel takes a prompt's rows too
+            wrong.append(torch.zeros(2, width))
+        for row in wrong:
+            with pytest.raises(ValueError, match="float32 CPU rows? of"):
                 layer(row)
     assert torch.equal(engine.arena.buffer, before)
 

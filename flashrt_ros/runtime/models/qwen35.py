@@ -71,7 +71,7 @@ class _Block:
     neg_a: torch.Tensor | None = None     # -exp(A_log), fp32
     dt_bias: torch.Tensor | None = None   # fp32
     slot: int = 0                  # index into the recurrent/conv or kv region
-    delta: DeltaStep | None = None        # linear, one token, native decode: the mixer in one C call
+    delta: DeltaStep | None = None        # linear, native decode: the mixer in one C call (prefill too)
     attend: AttentionStep | None = None   # full, one token, native decode: likewise
 
 
@@ -203,7 +203,8 @@ class Qwen35:
         self.mtp_kv = arena.views.get("mtp.kv")
         self.observations = arena.views.get("meta.observations")
         # Native decode (where the row products run on the C library, so float32 on a CPU) runs
-        # each layer's mixer for one token in one call as well, over this arena's state.
+        # each layer's mixer for one token in one call as well, over this arena's state; a linear
+        # layer's for a prefill's tokens too (see delta_step).
         cfg, hk, dk = self.cfg, self.cfg.linear_num_key_heads, self.cfg.linear_key_head_dim
         for b in self.blocks:
             b.delta = b.attend = None
@@ -222,7 +223,7 @@ class Qwen35:
     # ---- mixers ------------------------------------------------------------------------------
     def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
-        if n == 1 and b.delta is not None:
+        if b.delta is not None:
             return b.out_proj(b.delta(b.in_proj(x)))
         c, vd, hv, hk = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
         mixed, z, beta_in, a_in = b.in_proj(x).split([c, vd, hv, hv], dim=-1)
