@@ -4,17 +4,71 @@
  * ``spans`` holds n triples (destination address, source address, length in bytes). The total
  * is cut into ``threads`` equal shares of consecutive bytes, so that each thread copies one
  * contiguous stretch of the batch, whatever the spans' sizes. Spans must not overlap.
+ *
+ * Stretches of STREAM bytes and more are written with non-temporal stores on x86: a copy's
+ * destination (a capsule, or the arena just before a step that streams the weights through the
+ * caches) is not read again soon, and such stores skip reading each destination line in first.
+ * From a cold cache, 1.6 MiB took 94 us this way and 138 us through torch's copy (bench VM,
+ * interleaved).
  */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
-void flashrt_copy_spans(const int64_t *spans, long n, int threads) {
+#define STREAM 4096
+
+static void copy_stretch(char *dst, const char *src, size_t length) {
+#if defined(__x86_64__)
+    if (length >= STREAM) {
+        const size_t head = (16 - ((uintptr_t)dst & 15)) & 15;   /* up to dst's first 16-byte boundary */
+        memcpy(dst, src, head);
+        dst += head, src += head, length -= head;
+        size_t i = 0;
+        for (; i + 64 <= length; i += 64) {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            const __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            const __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        memcpy(dst + i, src + i, length - i);
+        _mm_sfence();   /* the streamed stores are ordered before whatever the caller does next */
+        return;
+    }
+#endif
+    memcpy(dst, src, length);
+}
+
+/* Bytes [first, last) of the batch, the spans laid end to end. */
+static void copy_batch_bytes(const int64_t *spans, long n, int64_t first, int64_t last) {
+    int64_t at = 0;   /* where span i starts within the batch */
+    for (long i = 0; i < n && at < last; i++) {
+        const int64_t length = spans[3 * i + 2];
+        const int64_t from = at > first ? at : first, to = at + length < last ? at + length : last;
+        if (from < to)
+            copy_stretch((char *)(intptr_t)spans[3 * i] + (from - at),
+                         (const char *)(intptr_t)spans[3 * i + 1] + (from - at), (size_t)(to - from));
+        at += length;
+    }
+}
+
+static int64_t batch_bytes(const int64_t *spans, long n) {
     int64_t total = 0;
     for (long i = 0; i < n; i++)
         total += spans[3 * i + 2];
+    return total;
+}
+
+void flashrt_copy_spans(const int64_t *spans, long n, int threads) {
+    const int64_t total = batch_bytes(spans, n);
     if (threads < 1)
         threads = 1;
 #pragma omp parallel num_threads(threads)
@@ -24,15 +78,6 @@ void flashrt_copy_spans(const int64_t *spans, long n, int threads) {
         me = omp_get_thread_num();
         team = omp_get_num_threads();
 #endif
-        const int64_t first = total * me / team, last = total * (me + 1) / team;
-        int64_t at = 0;   /* where span i starts within the batch */
-        for (long i = 0; i < n && at < last; i++) {
-            const int64_t length = spans[3 * i + 2];
-            const int64_t from = at > first ? at : first, to = at + length < last ? at + length : last;
-            if (from < to)
-                memcpy((char *)(intptr_t)spans[3 * i] + (from - at),
-                       (const char *)(intptr_t)spans[3 * i + 1] + (from - at), (size_t)(to - from));
-            at += length;
-        }
+        copy_batch_bytes(spans, n, total * me / team, total * (me + 1) / team);
     }
 }

@@ -19,9 +19,10 @@ def test_the_build_installs_the_span_copy():
 
 
 def _spans(size: int) -> list[tuple[int, int, int]]:
-    """(destination offset, source offset, length): odd lengths, one empty, out of order, so
-    that the threads' equal shares of the total start and end inside spans."""
-    return [(5, 1000, 333), (400, 7, 1), (401, 0, 0), (2000, 3001, size - 3001), (402, 2500, 97)]
+    """(destination offset, source offset, length): odd lengths and offsets, one empty, out of
+    order, so that the threads' equal shares of the total start and end inside spans; the long
+    one is streamed, from a destination off the 16-byte grid (see copy_spans.c)."""
+    return [(5, 1000, 333), (400, 7, 1), (401, 0, 0), (2003, 3001, size - 3004), (402, 2500, 97)]
 
 
 def test_spans_land_where_torch_slicing_puts_them_at_any_thread_count():

@@ -7,8 +7,10 @@ decode step has streamed the weights through it) the views alone cost a third
 of the copy of a 1.6 MiB state, and torch copying the arena's ranges into a
 pool chunk took 209 us where this call took 127-143 (a copy between two plain
 buffers took the same time either way; bench VM, interleaved).
-So spans are given by address. Without the library, or on a GPU, callers copy
-through torch.
+So spans are given by address. The library writes long stretches with
+non-temporal stores (see the C file): from a cold cache a snapshot's copy then
+takes less than torch's copy of the same bytes. Without the library, or on a
+GPU, callers copy through torch.
 """
 from __future__ import annotations
 
