@@ -76,7 +76,7 @@ INLINE void rms_scale(float *x, int n, float eps, float scale) {
         x[i] = x[i] * inverse * scale;
 }
 
-/* e^x within one unit in the last place (0.89 at worst over [-87, 88]), in arithmetic alone so
+/* e^x within one unit in the last place (0.92 at worst over [-87, 88]), in arithmetic alone so
  * that a loop of them vectorises (libm's expf is a call per element: it took half the conv's
  * time). x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (the next term is
  * under 1e-8 relative), times 2^n built in the exponent bits. Arguments are clamped to
@@ -102,7 +102,9 @@ INLINE float exp_inline(float x) {
     return p * scale;
 }
 
-INLINE float silu(float x) { return x / (1.0f + exp_inline(-x)); }
+/* Below -88, e^-x is past what exp_inline serves (and past a float from -89): x / (1 + e^-x) is
+ * then -0, as torch gives (and NaN at -inf, as torch gives). */
+INLINE float silu(float x) { return x < -88.0f ? x * 0.0f : x / (1.0f + exp_inline(-x)); }
 
 /* The loops that carry the work, written once and compiled twice on x86: for AVX2 with FMA, and
  * for any x86-64 (same bytes, slower); chosen when the library loads, as in row_product.c. */
@@ -255,17 +257,15 @@ static int has_fma(void) { return 0; }
 #define head_fma head_portable
 #endif
 
-static conv_fn conv_channels;
-static norm_fn norm_tokens;
-static head_fn head_tokens;
+/* The loops in use, read once per call (atomically: a test may switch them meanwhile). */
+static struct loops { conv_fn conv; norm_fn norm; head_fn head; } const fma_loops = {conv_fma, norm_fma, head_fma},
+    portable_loops = {conv_portable, norm_portable, head_portable};
+static const struct loops *loops = &portable_loops;
 
 /* Run the portable loops even where the FMA ones serve (on != 0), or pick again: for the test
  * that both give the same bytes. */
 void flashrt_delta_portable(int on) {
-    const int fma = !on && has_fma();
-    conv_channels = fma ? conv_fma : conv_portable;
-    norm_tokens = fma ? norm_fma : norm_portable;
-    head_tokens = fma ? head_fma : head_portable;
+    __atomic_store_n(&loops, !on && has_fma() ? &fma_loops : &portable_loops, __ATOMIC_RELAXED);
 }
 
 /* Picked when the library is loaded, before any caller can race for it. */
@@ -273,10 +273,11 @@ __attribute__((constructor)) static void pick_loops(void) { flashrt_delta_portab
 
 /* ``rows`` [n, width]: mixed | z | beta | a per token (width >= conv_dim + value_heads * (value_dim
  * + 2); the rest of a row is not read); ``mixed`` scratch [n, conv_dim]; ``out`` [n, value_heads
- * * value_dim]; ``threads`` >= 1. */
-void flashrt_delta_step(const struct flashrt_delta_layer *layer, const float *rows, long width, long n,
+ * * value_dim]; ``threads`` >= 1; every dimension of the layer >= 1. */
+void flashrt_delta_rows(const struct flashrt_delta_layer *layer, const float *rows, long width, long n,
                         float *mixed, float *out, int threads) {
     const long c = layer->conv_dim, units = (c + CHANNELS - 1) / CHANNELS;
+    const struct loops *use = __atomic_load_n(&loops, __ATOMIC_RELAXED);
     if (threads < 1)
         threads = 1;
     const fp_mode mode = get_fp_mode();
@@ -286,13 +287,13 @@ void flashrt_delta_step(const struct flashrt_delta_layer *layer, const float *ro
         set_fp_mode(mode);
 #pragma omp for schedule(static)
         for (long u = 0; u < units; u++)
-            conv_channels(layer, rows, width, n, mixed, u * CHANNELS, u + 1 < units ? (u + 1) * CHANNELS : c);
+            use->conv(layer, rows, width, n, mixed, u * CHANNELS, u + 1 < units ? (u + 1) * CHANNELS : c);
 #pragma omp for schedule(static)
         for (long u = 0; u < (n + TOKENS - 1) / TOKENS; u++)
-            norm_tokens(layer, mixed, u * TOKENS, (u + 1) * TOKENS < n ? (u + 1) * TOKENS : n);
+            use->norm(layer, mixed, u * TOKENS, (u + 1) * TOKENS < n ? (u + 1) * TOKENS : n);
 #pragma omp for schedule(static)
         for (int h = 0; h < layer->value_heads; h++)
-            head_tokens(layer, rows, width, mixed, n, h, out);
+            use->head(layer, rows, width, mixed, n, h, out);
         set_fp_mode(own);
     }
 }

@@ -104,13 +104,14 @@ static slab_fn pick_slab(void) { return slab_portable; }
 static slab_fn pick_tiled(void) { return tiled_portable; }
 #endif
 
+/* Read once per call (atomically: a test may switch them meanwhile). */
 static slab_fn slab_product, tiled_product;
 
 /* Run the portable loops even where the FMA ones serve (on != 0), or pick again: for the test
  * that both give the same bytes. */
 void flashrt_row_product_portable(int on) {
-    slab_product = on ? slab_portable : pick_slab();
-    tiled_product = on ? tiled_portable : pick_tiled();
+    __atomic_store_n(&slab_product, on ? slab_portable : pick_slab(), __ATOMIC_RELAXED);
+    __atomic_store_n(&tiled_product, on ? tiled_portable : pick_tiled(), __ATOMIC_RELAXED);
 }
 
 /* Picked when the library is loaded, before any caller can race for it. */
@@ -123,7 +124,7 @@ int flashrt_row_product(const float *x, const float *w, float *y, float *partial
                         int tiled) {
     if (tiled && (k % (SLABS * ROWS) || n % TILE))
         return -1;
-    const slab_fn slab = tiled ? tiled_product : slab_product;
+    const slab_fn slab = __atomic_load_n(tiled ? &tiled_product : &slab_product, __ATOMIC_RELAXED);
     const fp_mode mode = get_fp_mode();
 #pragma omp parallel num_threads(threads)
     {

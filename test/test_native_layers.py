@@ -21,6 +21,10 @@ GROUPED_CONV3 = ModelConfig.tiny(
 NO_CONV_STATE_HALF_ROTARY = ModelConfig.tiny(
     vocab_size=280, hidden_size=64, layer_types=("linear_attention", "full_attention"), linear_conv_kernel_dim=1,
     num_attention_heads=2, num_key_value_heads=2, head_dim=20, partial_rotary_factor=0.5)
+# Value heads of 20 (a vector block of 16 and a tail) over a conv of 176 channels (two units of work and part of a third).
+WIDE_HEADS = ModelConfig.tiny(
+    vocab_size=300, hidden_size=64, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=24, linear_value_head_dim=20)
 KERNELS = {"delta": "has_native_delta", "attend": "has_native_attention"}
 
 
@@ -100,8 +104,8 @@ def _delta_state(engine: Engine) -> torch.Tensor:
     return torch.cat([engine.arena.views[r].flatten() for r in ("conv", "recurrent")])
 
 
-@pytest.mark.parametrize("cfg", [ModelConfig.tiny(), GROUPED_CONV3, NO_CONV_STATE_HALF_ROTARY],
-                         ids=["tiny", "grouped", "k1_half_rotary"])
+@pytest.mark.parametrize("cfg", [ModelConfig.tiny(), GROUPED_CONV3, NO_CONV_STATE_HALF_ROTARY, WIDE_HEADS],
+                         ids=["tiny", "grouped", "k1_half_rotary", "wide_heads"])
 def test_a_prompt_through_the_delta_kernel_is_its_tokens_one_by_one(cfg):
     """Prefill runs the rule token after token, as decode does: a prompt in one call, in pieces
     (shorter than the conv's window, too) and token by token give the same bytes."""
@@ -115,8 +119,9 @@ def test_a_prompt_through_the_delta_kernel_is_its_tokens_one_by_one(cfg):
     assert outs[0].abs().sum() > 0 and states[0].abs().sum() > 0
 
 
-def test_the_delta_kernel_is_the_same_bytes_at_any_thread_count_and_in_its_portable_loops():
-    engine, block, rows = _delta_layer(GROUPED_CONV3, 40)
+@pytest.mark.parametrize("cfg", [GROUPED_CONV3, WIDE_HEADS], ids=["grouped", "wide_heads"])
+def test_the_delta_kernel_is_the_same_bytes_at_any_thread_count_and_in_its_portable_loops(cfg):
+    engine, block, rows = _delta_layer(cfg, 40)
     views = [engine.arena.views[region] for region in ("conv", "recurrent")]
     saved = [view.clone() for view in views]
 
@@ -132,6 +137,18 @@ def test_the_delta_kernel_is_the_same_bytes_at_any_thread_count_and_in_its_porta
     finally:
         delta_step.use_portable_loops(False)
     assert all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1], s) for o, s in outs)
+
+
+def test_the_delta_kernels_silu_is_zero_far_below_zero():
+    """SiLU(z) = z / (1 + e^-z) is -0 in floats from about -89 down, as torch has it: a gate
+    there closes its head's output exactly (the kernel's own exp stops at e^88)."""
+    engine, block, rows = _delta_layer(WIDE_HEADS, 4)
+    cfg = engine.config
+    z = cfg.conv_dim
+    for i, gate in enumerate((-100.0, -1e30, -torch.finfo(torch.float32).max)):
+        rows[i, z:z + cfg.linear_value_head_dim] = gate   # value head 0's gate at token i
+    out = block.delta(rows)[:3, :cfg.linear_value_head_dim]
+    assert torch.equal(out, torch.zeros_like(out)) and block.delta(rows).isfinite().all()
 
 
 def test_attention_is_the_same_bytes_at_any_thread_count_under_flush_to_zero():

@@ -58,7 +58,8 @@ PARAMS = (
     Param("prefill_blocked", True, "x86 CPU, float32: prefill on a second, oneDNN-blocked copy of the projection "
           "weights (faster prefill, twice their memory)"),
     Param("decode_native", True, "CPU, float32: decode and policy steps on the package's C library (one-row "
-          "products, attention layers, norms) where it is built (faster decode; falls back to torch where not)"),
+          "products, attention layers, norms), and prefill's linear-attention layers, where it is built (faster "
+          "decode and prefill; falls back to torch where not)"),
     Param("capsule_dir", "", "folder of the disk tier; capsules found there are loaded at configure"),
     Param("default_tier", "device", "tier of a Snapshot whose request leaves tier empty", read_only=False,
           choices=TIERS),

@@ -39,7 +39,10 @@ class _Layer(ctypes.Structure):
 
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
-_KERNEL = native.kernel("delta_step", [ctypes.POINTER(_Layer), _P, _L, _L, _P, _P, ctypes.c_int])
+# Named apart from version 1's one-token ``flashrt_delta_step`` (another signature and struct): a
+# library left over from before is then not built as far as this module sees, not misread.
+_KERNEL = native.kernel("delta_rows", [ctypes.POINTER(_Layer), _P, _L, _L, _P, _P, ctypes.c_int],
+                        family="delta_step")
 _PORTABLE = native.kernel("delta_portable", [ctypes.c_int], family="delta_step")
 
 
@@ -77,9 +80,10 @@ class DeltaStep:
             "conv_state": (conv_state, (taps - 1, conv_dim)), "conv_weight": (conv_weight, (taps, conv_dim)),
             "neg_a": (neg_a, (value_heads,)), "dt_bias": (dt_bias, (value_heads,)),
             "state": (state, (value_heads, key_dim, value_dim)), "norm_weight": (norm_weight, (value_dim,))})
-        if key_heads < 1 or value_heads % key_heads or conv_dim != 2 * key_heads * key_dim + value_heads * value_dim:
+        if min(key_heads, key_dim, value_heads, value_dim, taps) < 1 or value_heads % key_heads \
+                or conv_dim != 2 * key_heads * key_dim + value_heads * value_dim:
             raise ValueError(f"delta step: {key_heads} key heads of {key_dim} and {value_heads} value heads of "
-                             f"{value_dim} do not make a conv of {conv_dim} channels")
+                             f"{value_dim} with {taps} conv taps do not make a conv of {conv_dim} channels")
         self._conv, self._value = conv_dim, value_heads * value_dim
         self._mixed = torch.empty(1, conv_dim, dtype=torch.float32)
         self._out = torch.empty(1, self._value, dtype=torch.float32)

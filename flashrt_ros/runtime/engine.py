@@ -63,10 +63,12 @@ class Engine:
         and so do one-token attention layers between them (``runtime.delta_step``,
         ``runtime.attention_step``) and the norms around them (``runtime.row_ops``):
         the bench model's decode step took 8.1-8.8 against 13.2-13.7 ms on torch side
-        by side, before the tiled weights took off 0.4-1 ms more. They give the same
-        bytes for any thread count (and on machines whose libm ``expf`` agrees); the
-        fallback rounds otherwise, so a rollback or replay runs with the engine's own
-        setting, and ``engine.decode_native`` says which one runs.
+        by side, before the tiled weights took off 0.4-1 ms more. Prefill's linear-
+        attention mixers run on ``runtime.delta_step`` too (2.1 against about 6 ms per
+        layer for 512 tokens). They give the same bytes for any thread count (and on
+        machines whose libm ``expf`` agrees); the fallback rounds otherwise, so a
+        rollback or replay runs with the engine's own setting, and
+        ``engine.decode_native`` says which one runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",

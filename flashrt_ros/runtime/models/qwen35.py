@@ -379,7 +379,8 @@ class Qwen35:
         return any(p.partials is not None for p in self.projections())
 
     def has_native_delta(self) -> bool:
-        """Whether one-token linear mixers run on the C kernel (see delta_step); set by ``bind``."""
+        """Whether linear mixers (decode's and prefill's) run on the C kernel (see delta_step); set by
+        ``bind``."""
         return any(b.delta is not None for b in self.blocks)
 
     def has_native_attention(self) -> bool:
