@@ -35,14 +35,14 @@ def runtime_requirements() -> list[str]:
     return reqs
 
 
-# The package's small C library (decode's one-row products and attention layers, the
-# capsules' span copies), loaded with ctypes (flashrt_ros/native.py), so it is built like an
+# The package's small C library (decode's one-row products and attention layers, prefill's
+# linear attention, the capsules' span copies), loaded with ctypes (flashrt_ros/native.py), so it is built like an
 # extension but defines no Python module. Optional: without a C compiler the install still
 # succeeds and torch does that work.
 NATIVE = Extension("flashrt_ros._native",
                    sources=["src/row_product.c", "src/row_ops.c", "src/delta_step.c", "src/attention_step.c",
                             "src/copy_spans.c"],
-                   depends=["src/fp_mode.h"],
+                   depends=["src/fma_loops.h", "src/fp_mode.h"],
                    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fopenmp"],
                    extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
 

@@ -1,6 +1,7 @@
 """The package's small C library (``src/*.c``), loaded with ctypes: decode's one-row
-products (``runtime.row_product``) and attention layers (``runtime.delta_step``,
-``runtime.attention_step``), and the capsules' span copies (``capsule.span_copy``).
+products (``runtime.row_product``) and attention layers (``runtime.delta_step``, which
+runs prefill's linear attention too, and ``runtime.attention_step``), and the capsules'
+span copies (``capsule.span_copy``).
 
 colcon (CMakeLists.txt) installs it as ``_native.so`` beside this file; ``pip install``
 (setup.py) builds it with the ABI tag in its name. It is optional: where it is not built,
@@ -57,17 +58,15 @@ def check_float_tensors(what: str, expected: dict[str, tuple[torch.Tensor, tuple
 
 
 def check_row(what: str, row: torch.Tensor, width: int) -> torch.Tensor:
-    """``row`` as one contiguous float32 CPU row of ``width`` (ValueError if it is not one)."""
-    if row.dtype != torch.float32 or row.device.type != "cpu" or row.shape != (1, width):
-        raise ValueError(f"{what} takes one float32 CPU row of {width}, got {row.dtype} {tuple(row.shape)} "
-                         f"on {row.device}")
-    return row.contiguous()
+    """``row`` as one contiguous float32 CPU row [1, width] (ValueError if it is not one)."""
+    return check_rows(what, row, width, one=True)
 
 
-def check_rows(what: str, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """``rows`` as contiguous float32 CPU rows [n >= 1, width] (ValueError if they are not)."""
+def check_rows(what: str, rows: torch.Tensor, width: int, one: bool = False) -> torch.Tensor:
+    """``rows`` as contiguous float32 CPU rows [n >= 1, width], n = 1 if ``one`` (ValueError if
+    they are not)."""
     if rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.dim() != 2 or rows.shape[0] < 1 \
-            or rows.shape[1] != width:
-        raise ValueError(f"{what} takes float32 CPU rows of {width}, got {rows.dtype} {tuple(rows.shape)} "
-                         f"on {rows.device}")
+            or (one and rows.shape[0] != 1) or rows.shape[1] != width:
+        raise ValueError(f"{what} takes {'one float32 CPU row' if one else 'float32 CPU rows'} of {width}, "
+                         f"got {rows.dtype} {tuple(rows.shape)} on {rows.device}")
     return rows.contiguous()

@@ -19,6 +19,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "fma_loops.h"
 #include "fp_mode.h"
 
 #ifdef __FAST_MATH__
@@ -102,12 +103,12 @@ INLINE float exp_inline(float x) {
     return p * scale;
 }
 
-/* Below -88, e^-x is past what exp_inline serves (and past a float from -89): x / (1 + e^-x) is
- * then -0, as torch gives (and NaN at -inf, as torch gives). */
+/* Below -88, e^-x is past what exp_inline serves: SiLU is then under 6e-37 in magnitude, and -0
+ * here (torch gives -0 from about -88.7 down, and NaN at -inf, as this does). */
 INLINE float silu(float x) { return x < -88.0f ? x * 0.0f : x / (1.0f + exp_inline(-x)); }
 
-/* The loops that carry the work, written once and compiled twice on x86: for AVX2 with FMA, and
- * for any x86-64 (same bytes, slower); chosen when the library loads, as in row_product.c. */
+/* The loops that carry the work, compiled twice on x86 (see fma_loops.h) and chosen when the
+ * library loads. */
 
 /* Channels [from, to) of the causal conv and its SiLU for tokens [0, n), into ``mixed``
  * [n, conv_dim]; then those channels of the conv state move on. Token t reads the window rows
@@ -241,17 +242,11 @@ typedef void (*head_fn)(const struct flashrt_delta_layer *, const float *, long,
 CONV_CHANNELS(conv_portable, )
 NORM_TOKENS(norm_portable, )
 HEAD_TOKENS(head_portable, )
-#if defined(__x86_64__) && defined(__GNUC__)
-CONV_CHANNELS(conv_fma, __attribute__((target("avx2,fma"))))
-NORM_TOKENS(norm_fma, __attribute__((target("avx2,fma"))))
-HEAD_TOKENS(head_fma, __attribute__((target("avx2,fma"))))
-
-static int has_fma(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+#ifdef FMA_LOOPS
+CONV_CHANNELS(conv_fma, FMA_ATTRIBUTES)
+NORM_TOKENS(norm_fma, FMA_ATTRIBUTES)
+HEAD_TOKENS(head_fma, FMA_ATTRIBUTES)
 #else
-static int has_fma(void) { return 0; }
 #define conv_fma conv_portable
 #define norm_fma norm_portable
 #define head_fma head_portable
@@ -298,5 +293,5 @@ void flashrt_delta_rows(const struct flashrt_delta_layer *layer, const float *ro
     }
 }
 
-/* Bumped whenever a change could alter a step's bytes: journals record it. */
+/* Bumped whenever a change could alter the bytes of a step or of a prefill: journals record it. */
 int flashrt_delta_step_version(void) { return 2; }

@@ -17,6 +17,7 @@
  */
 #include <stddef.h>
 
+#include "fma_loops.h"
 #include "fp_mode.h"
 
 #ifdef __FAST_MATH__
@@ -27,9 +28,7 @@
 #define ROWS 8   /* rows folded into one pass over the partial row: it is read and written once per ROWS */
 #define TILE 8   /* columns of a tile in the tiled layout */
 
-/* The slab loop, written once and compiled twice on x86: for AVX2 with FMA, and for any x86-64
- * (same bytes, slower); chosen at run time. (GCC's target_clones on a static function
- * called from an OpenMP region ran the generic copy: measured 8x slower.) */
+/* The slab loops, compiled twice on x86 (see fma_loops.h). */
 #define SLAB_PRODUCT(NAME, ATTRIBUTES)                                                          \
     ATTRIBUTES static void NAME(const float *restrict x, const float *restrict w,               \
                                 float *restrict partial, long rows, long n) {                   \
@@ -89,14 +88,10 @@ typedef void (*slab_fn)(const float *, const float *, float *, long, long);
 
 SLAB_PRODUCT(slab_portable, )
 TILED_SLAB_PRODUCT(tiled_portable, )
-#if defined(__x86_64__) && defined(__GNUC__)
-SLAB_PRODUCT(slab_fma, __attribute__((target("avx2,fma"))))
-TILED_SLAB_PRODUCT(tiled_fma, __attribute__((target("avx2,fma"))))
+#ifdef FMA_LOOPS
+SLAB_PRODUCT(slab_fma, FMA_ATTRIBUTES)
+TILED_SLAB_PRODUCT(tiled_fma, FMA_ATTRIBUTES)
 
-static int has_fma(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 static slab_fn pick_slab(void) { return has_fma() ? slab_fma : slab_portable; }
 static slab_fn pick_tiled(void) { return has_fma() ? tiled_fma : tiled_portable; }
 #else

@@ -1,8 +1,10 @@
-"""Decode's layers on the package's C library (src/delta_step.c for linear attention,
+"""Decode's layers on the package's C library (src/delta_step.c for linear attention, prefill's too,
 src/attention_step.c for full attention, src/row_ops.c for the norms, residuals and activations
 between products): where they run, that they follow the torch code they replace, refusals,
 and journals that record them."""
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -70,8 +72,8 @@ def test_the_glue_follows_torch_in_a_model():
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("cfg", [ModelConfig.tiny(), GROUPED_CONV3, NO_CONV_STATE_HALF_ROTARY],
-                         ids=["tiny", "grouped", "k1_half_rotary"])
+@pytest.mark.parametrize("cfg", [ModelConfig.tiny(), GROUPED_CONV3, NO_CONV_STATE_HALF_ROTARY, WIDE_HEADS],
+                         ids=["tiny", "grouped", "k1_half_rotary", "wide_heads"])
 def test_each_follows_the_torch_layer(cfg, kernel):
     """The same products on both sides (the C row kernel) and one kernel switched off on one
     side: the same greedy tokens, logits and state within float32 rounding."""
@@ -91,7 +93,7 @@ def test_each_follows_the_torch_layer(cfg, kernel):
         assert torch.allclose(native.arena.views[region], torch_layer.arena.views[region], atol=1e-5)
 
 
-def _delta_layer(cfg: ModelConfig, n: int):
+def _delta_layer(cfg: ModelConfig, n: int) -> tuple[Engine, Any, torch.Tensor]:
     """An engine's first linear layer with its kernel, and ``n`` input rows for it (gates and
     conv inputs of ordinary sizes)."""
     engine = Engine.from_config(cfg, max_seq_len=16)
@@ -144,11 +146,12 @@ def test_the_delta_kernels_silu_is_zero_far_below_zero():
     there closes its head's output exactly (the kernel's own exp stops at e^88)."""
     engine, block, rows = _delta_layer(WIDE_HEADS, 4)
     cfg = engine.config
-    z = cfg.conv_dim
+    gates = cfg.conv_dim   # where a row's gates (z) start; value head 0's come first
     for i, gate in enumerate((-100.0, -1e30, -torch.finfo(torch.float32).max)):
-        rows[i, z:z + cfg.linear_value_head_dim] = gate   # value head 0's gate at token i
-    out = block.delta(rows)[:3, :cfg.linear_value_head_dim]
-    assert torch.equal(out, torch.zeros_like(out)) and block.delta(rows).isfinite().all()
+        rows[i, gates:gates + cfg.linear_value_head_dim] = gate
+    out = block.delta(rows)
+    head0 = out[:3, :cfg.linear_value_head_dim]
+    assert torch.equal(head0, torch.zeros_like(head0)) and out.isfinite().all() and out[3].abs().sum() > 0
 
 
 def test_attention_is_the_same_bytes_at_any_thread_count_under_flush_to_zero():
@@ -209,6 +212,13 @@ def test_wrong_tensors_are_refused_when_a_layer_is_bound():
         delta_step.DeltaStep(conv, lin.conv, lin.neg_a, lin.dt_bias, state, lin.norm_a,
                              key_heads=cfg.linear_num_key_heads + 1, q_scale=1.0, k_scale=1.0, qk_eps=1e-6,
                              norm_eps=1e-6)
+    # A layer with value heads of width 0: the kernel would size its scratch by it.
+    heads, key_dim = state.shape[0], state.shape[1]
+    with pytest.raises(ValueError, match="value heads of 0 with"):
+        delta_step.DeltaStep(torch.zeros(conv.shape[0], 2 * cfg.linear_key_dim), torch.zeros(conv.shape[0] + 1,
+                             2 * cfg.linear_key_dim), lin.neg_a, lin.dt_bias, torch.zeros(heads, key_dim, 0),
+                             torch.zeros(0), key_heads=cfg.linear_num_key_heads, q_scale=1.0, k_scale=1.0,
+                             qk_eps=1e-6, norm_eps=1e-6)
     full = next(b for b in model.blocks if b.attend is not None)
     keys, values = model.kv[:, full.slot, 0], model.kv[:, full.slot, 1]
     with pytest.raises(ValueError, match="values must be float32 CPU cache rows"):

@@ -36,17 +36,17 @@ def test_products_are_the_same_bytes_for_any_thread_count_and_close_to_float64(k
     assert (outs[0].double() - exact).abs().max() <= 1.5 * ((x @ w).double() - exact).abs().max() + 1e-6
 
 
-def test_the_portable_loop_gives_the_bytes_of_the_vector_one():
+def test_the_portable_loops_give_the_bytes_of_the_vector_ones():
     """What makes a journal replay exactly on a machine without AVX2 (or on ARM): fmaf rounds
     once wherever it runs, and no output's order depends on the vector width."""
     gen = torch.Generator().manual_seed(1)
     w, x = torch.randn(1000, 300, generator=gen), torch.randn(1, 1000, generator=gen)
     fast = _product(x, w)
-    row_product.use_portable_loop(True)
+    row_product.use_portable_loops(True)
     try:
         portable = _product(x, w)
     finally:
-        row_product.use_portable_loop(False)
+        row_product.use_portable_loops(False)
     assert torch.equal(fast, portable)
 
 
@@ -90,11 +90,11 @@ def test_the_tiled_layout_gives_the_bytes_of_the_row_major_one(k, n):
     plain = _product(x, w)
     for out in at_thread_counts(lambda: row_product.row_product(x, tiles, scratch, is_tiled=True)):
         assert torch.equal(out, plain)
-    row_product.use_portable_loop(True)
+    row_product.use_portable_loops(True)
     try:
         assert torch.equal(row_product.row_product(x, tiles, scratch, is_tiled=True), plain)
     finally:
-        row_product.use_portable_loop(False)
+        row_product.use_portable_loops(False)
 
 
 def test_shapes_the_tiled_layout_does_not_fit_are_refused():

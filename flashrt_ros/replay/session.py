@@ -30,8 +30,8 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # Replay is byte-exact on the same kernels: another torch (or another
             # flashrt_ros attention path) may round differently.
             "torch": torch.__version__,
-            # And at the same thread count: torch splits a large elementwise op (SiLU,
-            # softplus) over its threads, and the last few elements of each share take
+            # And at the same thread count: torch splits a large elementwise op (the MLP's
+            # SiLU, for one) over its threads, and the last few elements of each share take
             # a scalar path that can round differently (prefill only; decode rows are small).
             "torch_threads": torch.get_num_threads(),
             # And on the same vector kernels: torch picks its elementwise kernels by CPU
@@ -44,7 +44,8 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
             # Prefill's products on oneDNN's blocked weights, or torch.mm: they round differently.
             "prefill_blocked": engine.prefill_blocked,
-            # Decode on the C kernels (which versions), or on torch: they round differently.
+            # Decode (and prefill's linear attention) on the C kernels (which versions), or on
+            # torch: they round differently.
             "decode_native": engine.decode_native,
             **native_kernels(engine),
             # Disk capsules found in capsule_dir at start: the session may restore them.
@@ -53,7 +54,8 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
 
 
 def native_kernels(engine: Engine) -> dict[str, str]:
-    """The version of each C kernel the engine decodes with ("" for one it does not use)."""
+    """The version of each C kernel the engine runs ("" for one it does not use): decode's, and
+    the delta kernel's for prefill's linear attention too."""
     return {"row_product": row_product.version() if engine.decode_native else "",
             "delta_step": delta_step.version() if engine.model.has_native_delta() else "",
             "attention_step": attention_step.version() if engine.model.has_native_attention() else "",

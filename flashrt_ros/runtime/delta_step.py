@@ -67,7 +67,7 @@ class DeltaStep:
     """One layer's mixer, bound to its weights and to its conv and recurrent state (views into
     the arena, updated in place by each call)."""
 
-    __slots__ = ("_layer", "_pointer", "_row", "_conv", "_value", "_mixed", "_out", "_keep")
+    __slots__ = ("_layer", "_pointer", "_row_width", "_conv_width", "_out_width", "_mixed", "_out", "_keep")
 
     def __init__(self, conv_state: torch.Tensor, conv_weight: torch.Tensor, neg_a: torch.Tensor,
                  dt_bias: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor, *,
@@ -84,10 +84,10 @@ class DeltaStep:
                 or conv_dim != 2 * key_heads * key_dim + value_heads * value_dim:
             raise ValueError(f"delta step: {key_heads} key heads of {key_dim} and {value_heads} value heads of "
                              f"{value_dim} with {taps} conv taps do not make a conv of {conv_dim} channels")
-        self._conv, self._value = conv_dim, value_heads * value_dim
+        self._conv_width, self._out_width = conv_dim, value_heads * value_dim
         self._mixed = torch.empty(1, conv_dim, dtype=torch.float32)
-        self._out = torch.empty(1, self._value, dtype=torch.float32)
-        self._row = conv_dim + self._value + 2 * value_heads   # mixed | z | beta | a
+        self._out = torch.empty(1, self._out_width, dtype=torch.float32)
+        self._row_width = conv_dim + self._out_width + 2 * value_heads   # mixed | z | beta | a
         self._keep = (conv_state, conv_weight, neg_a, dt_bias, state, norm_weight)
         self._layer = _Layer(conv_state.data_ptr(), conv_weight.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
                              state.data_ptr(), norm_weight.data_ptr(), conv_dim, taps,
@@ -98,13 +98,13 @@ class DeltaStep:
         """``rows`` [n, conv + value + 2 heads] from the input projection, one per token in order;
         returns [n, value_heads * value_dim] for the output projection. One row (decode) runs on
         this thread into a buffer the next call reuses; more take torch's thread count."""
-        rows = native.check_rows("delta step", rows, self._row)
+        rows = native.check_rows("delta step", rows, self._row_width)
         n = rows.shape[0]
         if n == 1:
             mixed, out, threads = self._mixed, self._out, 1
         else:
-            mixed = torch.empty(n, self._conv, dtype=torch.float32)
-            out = torch.empty(n, self._value, dtype=torch.float32)
+            mixed = torch.empty(n, self._conv_width, dtype=torch.float32)
+            out = torch.empty(n, self._out_width, dtype=torch.float32)
             threads = torch.get_num_threads()
-        _KERNEL[0](self._pointer, rows.data_ptr(), self._row, n, mixed.data_ptr(), out.data_ptr(), threads)
+        _KERNEL[0](self._pointer, rows.data_ptr(), self._row_width, n, mixed.data_ptr(), out.data_ptr(), threads)
         return out

@@ -60,7 +60,7 @@ class Engine:
         product runs on a blocked copy.
       decode_native: on a CPU in float32, one-row products (decode and policy steps) run
         on the C kernel of ``runtime.row_product`` where it is built (default True),
-        and so do one-token attention layers between them (``runtime.delta_step``,
+        and so do the attention layers between them (``runtime.delta_step``,
         ``runtime.attention_step``) and the norms around them (``runtime.row_ops``):
         the bench model's decode step took 8.1-8.8 against 13.2-13.7 ms on torch side
         by side, before the tiled weights took off 0.4-1 ms more. Prefill's linear-

@@ -52,8 +52,8 @@ def version() -> str:
     return f"{_KERNEL[3]}.{_KERNEL[1]}" if _KERNEL is not None else ""
 
 
-def use_portable_loop(on: bool) -> None:
-    """Run the kernel's portable loop even where its AVX2/FMA one serves (on x86), or go back:
+def use_portable_loops(on: bool) -> None:
+    """Run the kernel's portable loops even where its AVX2/FMA ones serve (on x86), or go back:
     to check that both give the same bytes."""
     _KERNEL[2].flashrt_row_product_portable(int(on))
 

@@ -72,7 +72,7 @@ class _Block:
     dt_bias: torch.Tensor | None = None   # fp32
     slot: int = 0                  # index into the recurrent/conv or kv region
     delta: DeltaStep | None = None        # linear, native decode: the mixer in one C call (prefill too)
-    attend: AttentionStep | None = None   # full, one token, native decode: likewise
+    attend: AttentionStep | None = None   # full, native decode: one token's attention in one C call
 
 
 class _Cast:
@@ -221,7 +221,7 @@ class Qwen35:
                                       self.cos, self.sin, eps=cfg.rms_norm_eps)
 
     # ---- mixers ------------------------------------------------------------------------------
-    def _linear_mixer(self, x: torch.Tensor, b: _Block, decode: bool) -> torch.Tensor:
+    def _linear_mixer(self, x: torch.Tensor, b: _Block) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         if b.delta is not None:
             return b.out_proj(b.delta(b.in_proj(x)))
@@ -267,14 +267,14 @@ class Qwen35:
         return b.out_proj(out * torch.sigmoid(gate))
 
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
-                       rope: tuple[torch.Tensor, torch.Tensor], span: Span, decode: bool) -> torch.Tensor:
+                       rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         one_row = x.shape[0] == 1 and self.native_glue
         h = row_ops.rms_norm(x, b.ln_in, eps) if one_row else rms_norm(x, b.ln_in, eps)
         if b.kind == FULL:
             h = self._full_mixer(h, b, kv, positions, rope, span)
         else:
-            h = self._linear_mixer(h, b, decode)
+            h = self._linear_mixer(h, b)
         if one_row:
             x, normed = row_ops.add_rms_norm(x, h, b.ln_post, eps)
             return x + b.down(row_ops.silu_mul(b.gate_up(normed)))
@@ -289,7 +289,7 @@ class Qwen35:
         rope = (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
         for b in self.blocks:
             kv = self.kv[:, b.slot] if b.kind == FULL else None
-            x = self._block_forward(x, b, kv, positions, rope, span, decode)
+            x = self._block_forward(x, b, kv, positions, rope, span)
         eps = self.cfg.rms_norm_eps
         hidden = row_ops.rms_norm(x, self.final_norm, eps) if x.shape[0] == 1 and self.native_glue \
             else rms_norm(x, self.final_norm, eps)
