@@ -44,15 +44,24 @@ def _prefill_error(hf, engine: Engine, length: int, seed: int) -> float:
     return (ours - ref).abs().max().item()
 
 
+# Both prefill paths: on a CPU in fp32 the C library runs the linear-attention layers token after
+# token; the torch path (and a GPU) runs the chunked form, whose chunks these lengths cross.
+PREFILL_PATHS = pytest.mark.parametrize("native", [True, False], ids=["c_kernels", "torch_chunked"])
+
+
+@PREFILL_PATHS
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 300])
-def test_prefill_logits_match_transformers(pair, length):
+def test_prefill_logits_match_transformers(pair, length, native):
     hf, path = pair
-    assert _prefill_error(hf, Engine.from_pretrained(path), length, seed=length) < TOL
+    engine = Engine.from_pretrained(path, decode_native=native)
+    assert engine.model.has_native_delta() == native
+    assert _prefill_error(hf, engine, length, seed=length) < TOL
 
 
-def test_prefill_in_unaligned_chunks_matches_transformers(pair):
+@PREFILL_PATHS
+def test_prefill_in_unaligned_chunks_matches_transformers(pair, native):
     hf, path = pair
-    assert _prefill_error(hf, Engine.from_pretrained(path, prefill_chunk=100), 300, seed=7) < TOL
+    assert _prefill_error(hf, Engine.from_pretrained(path, prefill_chunk=100, decode_native=native), 300, seed=7) < TOL
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c_kernels", "torch"])
