@@ -22,7 +22,7 @@ def test_demo_runs_every_step_and_writes_its_pictures(tmp_path):
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "demo OK" in run.stdout and "FAILED" not in run.stdout
-    assert "faster" in run.stdout
+    assert "faster" in run.stdout and "tokens/s" in run.stdout
     for picture in ("timeline.png", "ttft.png"):
         data = (tmp_path / picture).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

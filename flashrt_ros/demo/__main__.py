@@ -28,6 +28,7 @@ from typing import Any, Callable
 from .charts import timeline, ttft_bars
 
 CONTEXT_TOKENS = 4000
+DECODE_TOKENS = 32   # after the first token from the capsule: the decode rate
 
 
 class StepFailed(RuntimeError):
@@ -70,6 +71,7 @@ class Demo:
         from ..srv import DropCapsule, ListCapsules, Restore, Snapshot
 
         self.out, self.steps, self.ttft = out, [], {}
+        self.decode_rates: tuple[float, float] | None = None   # tokens/s: seen by this client, in the engine
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "-p", "autostart:=true",
@@ -146,6 +148,7 @@ class Demo:
         self.step("tree: explore and commit (3 forks, keep the best)", "tree", lambda: self._tree("explore-and-commit"))
         self.step("restore 'task-start' instead of prefilling again", "capsule", self._restore_task_start)
         self.step("first token from the restored capsule", "generate", lambda: self._timed_generate("capsule"))
+        self.step(f"generate {DECODE_TOKENS} more tokens", "generate", self._decode)
         self.step("list and verify capsules", "capsule", self._check_capsules)
 
     def _come_up(self) -> str:
@@ -167,6 +170,13 @@ class Demo:
         wall = (time.perf_counter() - start) * 1e3
         self.ttft[key] = wall + self.ttft.get("restore_ms", 0.0) if key == "capsule" else wall
         return f"TTFT {self.ttft[key]:.1f} ms (engine {result.ttft_ms:.1f} ms), position {result.position}"
+
+    def _decode(self) -> str:
+        start = time.perf_counter()
+        result = self.generate(max_new_tokens=DECODE_TOKENS)
+        self.decode_rates = (len(result.tokens) / (time.perf_counter() - start), result.tokens_per_s)
+        return (f"{len(result.tokens)} tokens, {self.decode_rates[0]:.1f} tokens/s "
+                f"(engine {self.decode_rates[1]:.1f}), position {result.position}")
 
     def _snapshot_task_start(self) -> str:
         r = self.call("snapshot", name="task-start", pin=True, request_id="demo-task-start")
@@ -241,6 +251,8 @@ class Demo:
             cold, capsule = self.ttft["cold"], self.ttft["capsule"]
             print(f"\n  TTFT, {CONTEXT_TOKENS}-token task context: cold prefill {cold:.1f} ms; "
                   f"restore capsule + first token {capsule:.1f} ms ({cold / capsule:.1f}x faster)")
+            if self.decode_rates:
+                print(f"  decode: {self.decode_rates[0]:.1f} tokens/s ({self.decode_rates[1]:.1f} in the engine)")
             print("  (round trips seen by this client, ROS included; embedded default model on CPU)")
             pictures.append(ttft_bars(cold, capsule, CONTEXT_TOKENS, self.out / "ttft.png", "Time to first token"))
         for p in pictures:
