@@ -23,7 +23,8 @@ GROUPED_CONV3 = ModelConfig.tiny(
 NO_CONV_STATE_HALF_ROTARY = ModelConfig.tiny(
     vocab_size=280, hidden_size=64, layer_types=("linear_attention", "full_attention"), linear_conv_kernel_dim=1,
     num_attention_heads=2, num_key_value_heads=2, head_dim=20, partial_rotary_factor=0.5)
-# Value heads of 20 (a vector block of 16 and a tail) over a conv of 176 channels (two units of work and part of a third).
+# Value heads of 20 (a vector block of 16 and a tail) over a conv of 176 channels (two of the
+# kernel's units of work and part of a third).
 WIDE_HEADS = ModelConfig.tiny(
     vocab_size=300, hidden_size=64, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2,
     linear_num_value_heads=4, linear_key_head_dim=24, linear_value_head_dim=20)
