@@ -220,6 +220,7 @@ class Qwen35:
             self.mtp_kv_rows = KVRows(self.mtp_kv[:, 0], self.mtp_kv[:, 1], self.position, self.mtp_k_norm,
                                       self.cos, self.sin, eps=cfg.rms_norm_eps)
 
+
     # ---- mixers ------------------------------------------------------------------------------
     def _linear_mixer(self, x: torch.Tensor, b: _Block) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
@@ -256,7 +257,7 @@ class Qwen35:
         return b.out_proj(o.reshape(n, vd))
 
     def _full_mixer(self, x: torch.Tensor, b: _Block, kv: torch.Tensor, positions: torch.Tensor,
-                    rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
+                    rope: tuple[torch.Tensor, torch.Tensor] | None, span: Span) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         if n == 1 and b.attend is not None and span.mask is None:   # eager: rows [0, position] are read
             return b.out_proj(b.attend(b.in_proj(x)))
@@ -267,32 +268,41 @@ class Qwen35:
         return b.out_proj(out * torch.sigmoid(gate))
 
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
-                       rope: tuple[torch.Tensor, torch.Tensor], span: Span) -> torch.Tensor:
-        eps = self.cfg.rms_norm_eps
-        one_row = x.shape[0] == 1 and self.native_glue
-        h = row_ops.rms_norm(x, b.ln_in, eps) if one_row else rms_norm(x, b.ln_in, eps)
+                       rope: tuple[torch.Tensor, torch.Tensor] | None, span: Span) -> torch.Tensor:
+        h = self._norm(x, b.ln_in)
         if b.kind == FULL:
             h = self._full_mixer(h, b, kv, positions, rope, span)
         else:
             h = self._linear_mixer(h, b)
-        if one_row:
-            x, normed = row_ops.add_rms_norm(x, h, b.ln_post, eps)
+        if x.shape[0] == 1 and self.native_glue:
+            x, normed = row_ops.add_rms_norm(x, h, b.ln_post, self.cfg.rms_norm_eps)
             return x + b.down(row_ops.silu_mul(b.gate_up(normed)))
         x = x + h
-        return x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
+        return x + swiglu_mlp(self._norm(x, b.ln_post), b.gate_up, b.down)
+
+    def _rotates_in_c(self) -> bool:
+        """Whether every layer that applies RoPE (full attention, the MTP rows) does so in C for
+        one token (asked each step: tests switch single kernels off after ``bind``)."""
+        return all(b.attend is not None for b in self.blocks if b.kind == FULL) \
+            and (self.mtp is None or (self.native_glue and self.mtp_kv_rows is not None))
+
+    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The model's RMS norm of x: one row on the C library under native glue (see row_ops)."""
+        eps = self.cfg.rms_norm_eps
+        return row_ops.rms_norm(x, scale, eps) if x.shape[0] == 1 and self.native_glue else rms_norm(x, scale, eps)
 
     # ---- one committed boundary ----------------------------------------------------------------
     def advance(self, embeds: torch.Tensor, positions: torch.Tensor, span: Span, decode: bool) -> None:
         """Run n input embeddings [n, H] at ``positions`` through the backbone and the MTP
         layer, then move the boundary: last hidden state and position counter."""
         x = embeds
-        rope = (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
+        # The C kernels of a native one-token step read RoPE by the position themselves.
+        rope = None if x.shape[0] == 1 and span.mask is None and self._rotates_in_c() else \
+            (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
         for b in self.blocks:
             kv = self.kv[:, b.slot] if b.kind == FULL else None
             x = self._block_forward(x, b, kv, positions, rope, span)
-        eps = self.cfg.rms_norm_eps
-        hidden = row_ops.rms_norm(x, self.final_norm, eps) if x.shape[0] == 1 and self.native_glue \
-            else rms_norm(x, self.final_norm, eps)
+        hidden = self._norm(x, self.final_norm)
         if self.mtp is not None:
             prev = torch.cat([self.last_hidden[None], hidden[:-1]]) if not decode else self.last_hidden[None]
             self._write_mtp_kv(embeds, prev, positions, rope)
@@ -300,7 +310,7 @@ class Qwen35:
         self.position.add_(embeds.shape[0])
 
     def _write_mtp_kv(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                      rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+                      rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """MTP K and V rows at ``positions``: the MTP layer pairs token t's embedding with
         the hidden state of token t-1, exactly as its full forward would."""
         cfg, n, eps = self.cfg, embeds.shape[0], self.cfg.rms_norm_eps
