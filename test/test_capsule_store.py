@@ -391,6 +391,9 @@ def test_copy_ranges_cover_the_live_state_with_touching_ranges_merged(position):
     first_rows = min((r for r in layout.regions if r.per_token), key=lambda r: r.offset)
     if position and first_rows.offset == layout.fixed_bytes:
         assert ranges[0] == (0, layout.fixed_bytes + first_rows.row_bytes * position)
+    # What a snapshot sizes its chunk with, from any row on (a snapshot that extends a base).
+    for start in (0, 1, position, position + 3):
+        assert layout.ranges_bytes(position, start) == sum(e - s for s, e in layout.ranges(position, start))
 
 
 def _full_size(tokens: int) -> int:

@@ -97,9 +97,11 @@ def test_a_buffer_shorter_than_the_layout_is_refused_and_nothing_is_kept():
 
 
 def test_ids_differ_in_a_forked_child(tmp_path):
-    """A child shares its parent's generator state at the fork: it is seeded again, or both would
-    make the same ids (and overwrite each other's disk capsules)."""
+    """A child shares its parent's generator state and its ids made ahead at the fork: it is
+    seeded again and drops them, or both would make the same ids (and overwrite each other's
+    disk capsules)."""
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=32)
+    engine.capsules._new_id()   # the parent now holds ids made ahead
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:   # the child: no OpenMP here (libgomp does not survive a fork once used)

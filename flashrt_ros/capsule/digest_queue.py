@@ -61,8 +61,9 @@ class DigestQueue:
     def submit(self, record: Any, pieces: list) -> None:
         """Hash ``record`` later (see ``kick``); ``pieces`` must already be held for the job."""
         record.job = Job(record, pieces)
-        with self._cond:
-            self._queue.append(record.job)
+        # No lock: a deque's append is atomic, the worker is not woken here, and one it
+        # misses is found by the next kick or poll (taking the condition cost a cold snapshot 4 us).
+        self._queue.append(record.job)
 
     def kick(self) -> None:
         """Start on the queued jobs now (a no-op costing a fraction of a microsecond when none is)."""

@@ -6,7 +6,6 @@ the records are the store's.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,7 +28,7 @@ def load(path: Path, layout: Layout, kinds: frozenset[str],
     header = diskformat.read_header(path)
     info = info_from_header(header, layout.table)
     # What the file holds, whatever the header's own count says.
-    info = replace(info, nbytes=sum(e - s for s, e in header["ranges"]))
+    info = info._replace(nbytes=sum(e - s for s, e in header["ranges"]))
     if not is_capsule_id(info.id) or path.name != diskformat.path_for(path.parent, info.id).name:
         raise CorruptCapsule(f"{path.name}: not the file of a capsule id (16 hex digits) {info.id!r:.40}")
     if info.position > layout.max_position:

@@ -6,8 +6,7 @@ and services show, and what a restore checks before it copies anything.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ..errors import shown
 from .errors import InvalidCapsuleRequest
@@ -32,8 +31,12 @@ class RegionLike(Protocol):
     def live_bytes(self, position: int) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
-class CapsuleInfo:
+class CapsuleInfo(NamedTuple):
+    """Immutable; ``info._replace(field=value)`` makes a changed copy. A named tuple, not a
+    frozen dataclass: every snapshot builds one, and from a cold cache (a snapshot follows a
+    decode step that streamed the weights through it) a frozen dataclass took about 20 us
+    more to build, an eighth of copying a 1.6 MiB state."""
+
     id: str
     name: str
     parent: str

@@ -15,11 +15,14 @@ class Layout:
     fixed_bytes: int
     fingerprint: str
     table: tuple[dict, ...]
-    # (offset, row bytes) of each per-token region: computed once, read by every snapshot.
+    # (offset, row bytes) of each per-token region, and the bytes of one row of all of them:
+    # computed once, read by every snapshot.
     rows: tuple[tuple[int, int], ...] = field(init=False)
+    row_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", tuple((r.offset, r.row_bytes) for r in self.regions if r.per_token))
+        object.__setattr__(self, "row_bytes", sum(row for _, row in self.rows))
 
     @property
     def nbytes(self) -> int:
@@ -46,6 +49,11 @@ class Layout:
                 else:
                     out.append((start, end))
         return out
+
+    def ranges_bytes(self, position: int, start_position: int = 0) -> int:
+        """The bytes ``ranges(position, start_position)`` cover, without building them (a
+        snapshot sizes its chunk with this: summing the ranges cost it 10 us from a cold cache)."""
+        return self.fixed_bytes + max(0, position - start_position) * self.row_bytes
 
     def group_ranges(self, position: int, groups: Iterable[str]) -> list[tuple[int, int]]:
         wanted = set(groups)

@@ -17,7 +17,8 @@ _ALIGN = 256
 
 
 class Chunk:
-    """An immutable run of bytes shared by the capsules that reference it.
+    """An immutable run of bytes shared by the capsules that reference it: bytes
+    [offset, offset + nbytes) of a buffer (a pool chunk), or all of one (``Chunk.holding``).
 
     A pool chunk is cut from the pool's buffer only when something asks for
     ``data``: the CPU snapshot path copies by ``address`` and never does, and
@@ -26,21 +27,19 @@ class Chunk:
 
     __slots__ = ("tier", "_data", "_whole", "nbytes", "offset", "address", "refs", "landed", "_array")
 
-    def __init__(self, tier: str, data: torch.Tensor, offset: int = -1, *, nbytes: int = -1,
-                 whole_address: int = 0) -> None:
-        """``data`` is the chunk's bytes; for a pool chunk (``offset`` >= 0 and ``nbytes``
-        given) it is the pool's whole buffer, and ``whole_address`` that buffer's address."""
-        self.tier, self.offset, self.refs = tier, offset, 0
+    def __init__(self, tier: str, whole: torch.Tensor, offset: int, nbytes: int, whole_address: int) -> None:
+        """``whole_address``: where ``whole`` is in CPU memory, 0 when it is not there."""
+        self.tier, self._whole, self.offset, self.nbytes, self.refs = tier, whole, offset, nbytes, 0
         # ``address``: where the bytes are, for the C span copy; 0 where they are not in CPU memory.
-        if nbytes >= 0:
-            self._data, self._whole, self.nbytes = None, data, nbytes
-            self.address = whole_address + offset if whole_address else 0
-        else:
-            self._data, self._whole = data, None
-            self.nbytes = data.numel()   # read on every snapshot and release: kept, not asked of torch
-            self.address = data.data_ptr() if data.device.type == "cpu" else 0
-        self.landed = None   # a CUDA event after copies from the GPU that did not wait
-        self._array = None
+        self.address = whole_address + offset if whole_address else 0
+        self._data = self.landed = self._array = None   # landed: a CUDA event after copies from the GPU
+
+    @classmethod
+    def holding(cls, tier: str, data: torch.Tensor) -> "Chunk":
+        """A chunk that is all of ``data``."""
+        chunk = cls(tier, data, 0, data.numel(), data.data_ptr() if data.device.type == "cpu" else 0)
+        chunk._data = data
+        return chunk
 
     @property
     def data(self) -> torch.Tensor:
@@ -95,7 +94,7 @@ class DevicePool:
                     del self._free[i]
                 else:
                     self._free[i] = (offset + size, free - size)
-                return Chunk("device", self.buffer, offset, nbytes=nbytes, whole_address=self._address)
+                return Chunk("device", self.buffer, offset, nbytes, self._address)
         return None
 
     def release(self, chunk: Chunk) -> None:
@@ -125,4 +124,4 @@ class DevicePool:
 
 
 def host_chunk(nbytes: int, pin: bool) -> Chunk:
-    return Chunk("host", torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+    return Chunk.holding("host", torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))

@@ -9,14 +9,13 @@ one background thread, from the capsule's own immutable copy.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
 import threading
 import time
 import weakref
-from contextlib import AbstractContextManager
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -28,7 +27,7 @@ from . import disk_capsules, diskformat, span_copy
 from .digest_queue import FINISHED, SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
-from .held_events import HeldEvents
+from .held_events import HeldEvents, Lockable
 from .info import TIERS, CapsuleInfo, check_name, check_tier
 from .layout import Layout
 from .memory import Chunk, DevicePool, host_chunk
@@ -40,7 +39,8 @@ _LOWER = {"device": "host", "host": "disk", "disk": None}
 
 class Piece(NamedTuple):
     """Arena bytes [start, end) are ``chunk.data[offset : offset + end - start]``.
-    (A named tuple: a snapshot makes several, and a frozen dataclass costs 3x to build.)"""
+    (A named tuple: a snapshot makes several, and a frozen dataclass costs 3x to build.
+    The hot paths build them with ``_piece``.)"""
 
     start: int
     end: int
@@ -52,13 +52,18 @@ class Piece(NamedTuple):
         return self.chunk.data[self.offset + s - self.start:self.offset + e - self.start]
 
 
+# Piece((start, end, chunk, offset)) without the named tuple's Python-level __new__: a snapshot
+# and a restore make several from a cold cache, where each Python call costs microseconds.
+_piece = functools.partial(tuple.__new__, Piece)
+
+
 class Record:
     """A capsule inside the store: its info, where its bytes are, and its boundary log."""
 
     __slots__ = ("info", "_pieces", "log", "last_used", "path", "job", "_plans")
 
     def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
-        self.info, self.pieces, self.log, self.path = info, pieces, log_runs, path
+        self.info, self._pieces, self._plans, self.log, self.path = info, pieces, {}, log_runs, path
         self.last_used = time.monotonic()
         self.job = None   # the digest job (see DigestQueue); None: the digest is final
 
@@ -134,7 +139,7 @@ def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
     for p in pieces:
         s, e = max(p.start, start), min(p.end, end)
         if s < e:
-            out.append(Piece(s, e, p.chunk, p.offset + s - p.start))
+            out.append(_piece((s, e, p.chunk, p.offset + s - p.start)))
     return out
 
 
@@ -165,11 +170,12 @@ def _same_bytes_until(a: list[Piece], b: list[Piece], start: int, end: int) -> i
     return pos
 
 
-# Each store's id generator is seeded again in a forked child, which would otherwise make the
-# parent's ids (and overwrite its disk capsules in a shared capsule_dir).
+# Each store's id generator is seeded again in a forked child, and its ids made ahead are
+# thrown away: the child would otherwise make the parent's ids (and overwrite its disk
+# capsules in a shared capsule_dir).
 _STORES: "weakref.WeakSet[CapsuleStore]" = weakref.WeakSet()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: [store._ids.seed() for store in list(_STORES)])
+    os.register_at_fork(after_in_child=lambda: [store._new_ids() for store in list(_STORES)])
 
 
 class CapsuleStore:
@@ -178,7 +184,7 @@ class CapsuleStore:
     def __init__(self, layout: Layout, model_fingerprint: str, device: torch.device,
                  budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
                  on_event: Callable[[str, CapsuleInfo], None] | None = None,
-                 lock: AbstractContextManager | None = None, log_kinds: Iterable[str] = ()) -> None:
+                 lock: Lockable | None = None, log_kinds: Iterable[str] = ()) -> None:
         unknown = sorted(set(budgets) - set(TIERS), key=repr)
         if unknown:
             raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
@@ -206,7 +212,7 @@ class CapsuleStore:
         self._local = {"device": True, "host": device.type == "cpu"}
         self._span_copy = device.type == "cpu" and span_copy.available()   # else torch copies
         self._buffer: tuple[torch.Tensor, int] | None = None   # the arena buffer and its address
-        self._ids = random.Random()   # seeded from os.urandom, and again in a forked child
+        self._ids, self._id_stock = random.Random(), []   # see _new_id
         _STORES.add(self)
         try:
             self.pool = DevicePool(self._budgets.get("device", 0), device)
@@ -283,7 +289,7 @@ class CapsuleStore:
         ``base`` = (record, p): the live per-token rows [0:p] are byte-equal to
         that record's, so they are referenced instead of copied.
         """
-        name = check_name(name)
+        name = "" if name is None else check_name(name)   # a call fewer in the common case, from a cold cache
         check_tier(tier)
         with self._held:
             if name and any(r.info.name == name for r in self._records.values()):
@@ -302,12 +308,13 @@ class CapsuleStore:
             at = self._address_of(buffer) if self._local[tier] and self._span_copy else 0
             try:
                 # Room is made without spilling the base: that would free the very rows shared here.
-                chunk = self._allocate(tier, sum(e - s for s, e in ranges), spare=base[0] if shared else None)
+                chunk = self._allocate(tier, self.layout.ranges_bytes(position, start),
+                                       spare=base[0] if shared else None)
             except BudgetExceeded:
                 if not shared:
                     raise
                 shared, ranges = [], self.layout.ranges(position)   # copy it all; the base may go
-                chunk = self._allocate(tier, sum(e - s for s, e in ranges))
+                chunk = self._allocate(tier, self.layout.ranges_bytes(position))
             need = chunk.nbytes
             pieces = _pieces_over(chunk, ranges)
             if at:
@@ -402,7 +409,7 @@ class CapsuleStore:
             else:  # one-off plans: a disk capsule's bytes are read afresh, a group restore is an ablation
                 if record.info.tier == "disk":
                     data, ranges = self._read_disk(record)
-                    pieces = _pieces_over(Chunk("disk", data), ranges)
+                    pieces = _pieces_over(Chunk.holding("disk", data), ranges)
                 else:
                     pieces = record.pieces
                 wanted = (self.layout.group_ranges(record.info.position, groups) if groups is not None
@@ -417,14 +424,12 @@ class CapsuleStore:
                   nbytes: int, log_runs: tuple, known: tuple[str, str] | None = None) -> Record:
         """``known``: the (digest, history hash) of these very bytes, when already computed."""
         digest, history = known or ("", "")
-        info = CapsuleInfo(
-            id=self._new_id(), name=name, parent=parent, position=position, nbytes=nbytes, tier=tier,
-            pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
-            layout_fingerprint=self.layout.fingerprint, digest=digest, history_hash=history,
-            region_table=self.layout.table)
+        # Positional, in field order: keywords cost a cold snapshot several microseconds.
+        info = CapsuleInfo(self._new_id(), name, parent, position, nbytes, tier, bool(pin), time.time(),
+                           self.model_fingerprint, self.layout.fingerprint, digest, history, self.layout.table)
         # Two holds per chunk while a digest is pending: the record's, and its digest job's
         # (which keeps the chunks alive if the capsule is dropped before it is hashed).
-        for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
+        for chunk in _chunks(pieces):
             chunk.refs += 1 if known else 2
         record = Record(info, pieces, log_runs)
         self._records[info.id] = record
@@ -433,7 +438,7 @@ class CapsuleStore:
         return record
 
     def _release(self, pieces: list[Piece]) -> None:
-        for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
+        for chunk in _chunks(pieces):
             chunk.refs -= 1
             if chunk.refs == 0:
                 self._used[chunk.tier] -= chunk.nbytes
@@ -458,7 +463,7 @@ class CapsuleStore:
         digest = state_digest(self.layout.regions, record.info.position, read)
         history = history_digest(self.layout.regions, record.info.position, read)
         # Only _demote also replaces info, and it finishes the job first.
-        record.info = replace(record.info, digest=digest, history_hash=history)
+        record.info = record.info._replace(digest=digest, history_hash=history)
 
     def _announce_digest(self, record: Record) -> None:
         """After the digest job is over: not for a capsule dropped before its hash was done."""
@@ -476,7 +481,15 @@ class CapsuleStore:
     def _new_id(self) -> str:
         # 64 random bits, as secrets.token_hex(8) gives, from a generator seeded from os.urandom
         # (at start and in a forked child): no system call on the snapshot path (15-20 us cold).
-        return f"{self._ids.getrandbits(64):016x}"
+        # Made 64 at a time: one id drawn and formatted from a cold cache cost 15 us, a pop 1.
+        if not self._id_stock:
+            self._id_stock = [f"{self._ids.getrandbits(64):016x}" for _ in range(64)]
+        return self._id_stock.pop()
+
+    def _new_ids(self) -> None:
+        """Forget the ids made ahead and seed the generator afresh (in a forked child)."""
+        self._ids.seed()
+        self._id_stock = []
 
     def _address_of(self, buffer: torch.Tensor) -> int:
         """The arena buffer's address (checked once: the engine passes the same buffer)."""
@@ -487,26 +500,20 @@ class CapsuleStore:
     def _allocate(self, tier: str, nbytes: int, spare: Record | None = None) -> Chunk:
         """A chunk of ``nbytes`` on ``tier``, spilling to make room: never ``spare``, also not
         when a spill makes room in the tier below in turn."""
-        if spare is None:
-            return self._allocate_sparing(tier, nbytes)
-        self._spared.append(spare)
-        try:
-            return self._allocate_sparing(tier, nbytes)
-        finally:
-            self._spared.pop()
-
-    def _allocate_sparing(self, tier: str, nbytes: int) -> Chunk:
-        if tier == "device":
-            # The pool is the device budget: a chunk that fits needs no room made first.
-            chunk = self.pool.allocate(nbytes)
-            if chunk is None:
+        # The pool is the device budget: a chunk that fits needs no room made first (and this
+        # path, every snapshot's, one call fewer from a cold cache).
+        chunk = self.pool.allocate(nbytes) if tier == "device" else None
+        if chunk is None:
+            if spare is not None:
+                self._spared.append(spare)
+            try:
                 self._make_room(tier, nbytes)
-                chunk = self.pool.allocate(nbytes)
+            finally:
+                if spare is not None:
+                    self._spared.pop()
+            chunk = self.pool.allocate(nbytes) if tier == "device" else host_chunk(nbytes, self._pin_host)
             if chunk is None:
                 raise BudgetExceeded(f"device tier: no {nbytes} contiguous bytes left in the pool")
-        else:
-            self._make_room(tier, nbytes)
-            chunk = host_chunk(nbytes, self._pin_host)
         self._used[tier] += chunk.nbytes
         return chunk
 
@@ -563,7 +570,7 @@ class CapsuleStore:
             # One hold per chunk for the record, one more for its digest job until settled.
             holders = [victim.pieces] + ([victim.job.pieces] if victim.job and victim.job.state != SETTLED else [])
             for pieces in holders:
-                for chunk in {id(p.chunk): p.chunk for p in pieces}.values():
+                for chunk in _chunks(pieces):
                     chunks[id(chunk)] = chunk
                     held[id(chunk)] = held.get(id(chunk), 0) + 1
         freed = [c for key, c in chunks.items() if held[key] == c.refs]
@@ -593,11 +600,11 @@ class CapsuleStore:
                 chunk.data.copy_(data)
                 chunk.refs += 1
                 record.pieces = _pieces_over(chunk, ranges)
-                record.info = replace(record.info, tier="host", nbytes=data.numel())
+                record.info = record.info._replace(tier="host", nbytes=data.numel())
             else:
                 # On disk a capsule holds all of its bytes: the header must say so, since a
                 # restart counts the disk tier from the headers.
-                info = replace(record.info, tier="disk", nbytes=data.numel())
+                info = record.info._replace(tier="disk", nbytes=data.numel())
                 record.path = self._write_disk(info, ranges, data, record.log)
                 record.pieces = []
                 record.info = info
@@ -652,7 +659,7 @@ class CapsuleStore:
             pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
             layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
         read = disk_capsules.range_reader(ranges, data)
-        info = replace(info, digest=state_digest(self.layout.regions, position, read),
+        info = info._replace(digest=state_digest(self.layout.regions, position, read),
                        history_hash=history_digest(self.layout.regions, position, read))
         path = self._write_disk(info, ranges, data, log_runs)
         record = Record(info, [], log_runs, path)
@@ -706,7 +713,7 @@ class CapsuleStore:
             if info.name and info.name in names:   # two engines shared the folder: the older one keeps it
                 log.warning("capsule file %s: name %r is taken by an older capsule; loaded without a name "
                             "(its id still reaches it)", record.path.name, info.name)
-                info = record.info = replace(info, name="")
+                info = record.info = info._replace(name="")
             names.add(info.name)
             # Least recently used first, across a restart too: by age.
             record.last_used = time.monotonic() - max(0.0, now - info.created)
@@ -719,10 +726,20 @@ def _digest_final(record: Record) -> bool:
     return (record.job is None or record.job.state in (FINISHED, SETTLED)) and record.info.digest != ""
 
 
+def _chunks(pieces: list[Piece]) -> list[Chunk]:
+    """The chunks ``pieces`` lie in, each once (a loop, not a comprehension: a snapshot's
+    one or two chunks, found from a cold cache)."""
+    chunks: list[Chunk] = []
+    for p in pieces:
+        if p.chunk not in chunks:   # Chunk has no __eq__: identity
+            chunks.append(p.chunk)
+    return chunks
+
+
 def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]:
     """Pieces for ``ranges`` laid end to end in ``chunk``."""
     pieces, offset = [], 0
     for s, e in ranges:
-        pieces.append(Piece(s, e, chunk, offset))
+        pieces.append(_piece((s, e, chunk, offset)))
         offset += e - s
     return pieces
