@@ -1,7 +1,7 @@
 """The package's small C library (``src/*.c``), loaded with ctypes: decode's one-row
 products (``runtime.row_product``) and attention layers (``runtime.delta_step``, which
-runs prefill's linear attention too, and ``runtime.attention_step``), and the capsules'
-span copies (``capsule.span_copy``).
+runs prefill's linear attention too, and ``runtime.attention_step``). The capsules'
+span copies are a Python extension module of their own (``capsule.span_copy``).
 
 colcon (CMakeLists.txt) installs it as ``_native.so`` beside this file; ``pip install``
 (setup.py) builds it with the ABI tag in its name. It is optional: where it is not built,
@@ -31,17 +31,16 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def kernel(name: str, argtypes: list, family: str = "", restype: type | None = None,
-           versioned: bool = True) -> tuple[Callable, str] | None:
+def kernel(name: str, argtypes: list, family: str = "",
+           restype: type | None = None) -> tuple[Callable, str] | None:
     """``flashrt_<name>`` with its argument types, and the version journals record of it
     (``flashrt_<family>_version``, the family being the C file's kernels, by default the
-    kernel alone; "" when not ``versioned``, for work whose bytes cannot change, a copy),
-    or None where the library, the kernel or its version is missing."""
+    kernel alone), or None where the library, the kernel or its version is missing."""
     lib = library()
     if lib is None:
         return None
     fn = getattr(lib, f"flashrt_{name}", None)
-    version = getattr(lib, f"flashrt_{family or name}_version", None) if versioned else (lambda: "")
+    version = getattr(lib, f"flashrt_{family or name}_version", None)
     if fn is None or version is None:
         return None
     fn.argtypes, fn.restype = argtypes, restype

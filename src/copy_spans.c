@@ -1,5 +1,6 @@
 /* Byte spans copied between CPU buffers in one call: the copies of a capsule snapshot or restore
- * on a CPU (see flashrt_ros/capsule/span_copy.py for why these are not left to torch).
+ * on a CPU (see flashrt_ros/capsule/span_copy.py for why these are not left to torch). Python
+ * calls it through the extension module of span_copy_module.c.
  *
  * ``spans`` holds n triples (destination address, source address, length in bytes). The total
  * is cut into ``threads`` equal shares of consecutive bytes, so that each thread copies one
@@ -13,6 +14,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "copy_spans.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -1,6 +1,7 @@
-"""The capsules' span copies on the package's C library (src/copy_spans.c): the bytes of torch's
-slicing for any thread count, addresses only of byte tensors, and capsules that are the same
-bytes whichever copy made them."""
+"""The capsules' span copies (src/copy_spans.c, through the extension module of
+src/span_copy_module.c): the bytes of torch's slicing for any thread count, malformed spans
+refused, addresses only of byte tensors, and capsules that are the same bytes whichever copy
+made them."""
 from __future__ import annotations
 
 import os
@@ -51,6 +52,30 @@ def test_prepared_copies_repeat_the_same_spans():
         dst.zero_()
 
 
+def test_many_spans_are_copied_as_a_few():
+    """More triples than the call keeps on its stack: the same bytes."""
+    src, dst = torch.arange(256, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)
+    to, at = span_copy.address_of(dst), span_copy.address_of(src)
+    span_copy.copy(tuple(v for i in range(100) for v in (to + 2 * i, at + 255 - i, 1)))
+    assert dst[0:200:2].tolist() == list(range(255, 155, -1)) and not dst[1:200:2].any() and not dst[200:].any()
+
+
+@pytest.mark.parametrize("spans, error", [
+    ([1, 2], ValueError),                  # not triples
+    ([1, 2, -3], ValueError),              # a negative length
+    ([1, 2, "3"], TypeError),              # not ints
+    ([1, 2, 2 ** 70], OverflowError),      # past 64 bits
+    (7, TypeError),                        # not a sequence
+])
+def test_malformed_spans_are_refused_before_any_byte_is_copied(spans, error):
+    dst = torch.zeros(16, dtype=torch.uint8)
+    src = torch.ones(16, dtype=torch.uint8)
+    good = [span_copy.address_of(dst), span_copy.address_of(src), 16]
+    with pytest.raises(error):
+        span_copy.copy(good + spans if isinstance(spans, list) else spans)
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("bad", [
     lambda a: a.view(torch.int32),     # not bytes
     lambda a: a[::2],                  # not contiguous
@@ -69,7 +94,7 @@ def test_capsules_are_the_same_bytes_through_torch_and_the_span_copy(monkeypatch
     digests = []
     for native in (True, False):
         if not native:
-            monkeypatch.setattr(span_copy, "_COPY", None)
+            monkeypatch.setattr(span_copy, "_MODULE", None)
         engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
         engine.prefill(ids)
         held = engine.snapshot()
