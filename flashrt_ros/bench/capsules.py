@@ -6,8 +6,8 @@
    bytes on the same device, each from a flushed cache, across state sizes
    (target <= 1.3 from 1 MiB); without a target: the digest a snapshot leaves
    to the background thread (it computes it in the caller's thread here), the
-   least a snapshot from Python costs with this arena layout (the views of the
-   state's ranges and one batched copy), and a return (a restore of the capsule
+   snapshot's copy made through torch with no bookkeeping (views of the state's
+   ranges and one batched copy), and a return (a restore of the capsule
    the live state descends from, after 8 decode steps built on it: it copies the
    fixed-size state only, as those 8 rows lie past the capsule's position), each
    over the same plain copy of the whole state;
@@ -82,27 +82,27 @@ def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]
 
         ranges = engine.capsules.layout.ranges(position)
 
-        def least() -> float:
+        def views() -> float:
             flush()
             return timed(lambda: _views_and_copy(engine.arena.buffer, ranges, dst), dev)
 
         # Sub-millisecond timings on a shared machine: many more rounds than the TTFT section.
-        t = interleaved({"snapshot": snap, "restore": restore, "back": back, "copy": copy, "least": least},
+        t = interleaved({"snapshot": snap, "restore": restore, "back": back, "copy": copy, "views": views},
                         rounds * 8)
         engine.capsules.drop(held)
         rows.append({"position": position, "bytes": nbytes, "copy_ms": t["copy"] * 1e3,
                      "snapshot_ratio": t["snapshot"] / t["copy"], "restore_ratio": t["restore"] / t["copy"],
                      "digest_ratio": statistics.median(digests) / t["copy"],
-                     "return_ratio": t["back"] / t["copy"], "least_ratio": t["least"] / t["copy"]})
+                     "return_ratio": t["back"] / t["copy"], "views_ratio": t["views"] / t["copy"]})
         print(f"  {nbytes / 2**20:8.2f} MiB (pos {position:5d}): copy {t['copy'] * 1e3:7.3f} ms   "
               f"snapshot x{rows[-1]['snapshot_ratio']:.2f} (digest after it x{rows[-1]['digest_ratio']:.1f})   "
               f"restore x{rows[-1]['restore_ratio']:.2f}   return x{rows[-1]['return_ratio']:.2f}   "
-              f"least x{rows[-1]['least_ratio']:.2f}")
+              f"torch views x{rows[-1]['views_ratio']:.2f}")
     if rows:
         print("  digest: blake2b of the capsule, which a snapshot leaves to the digest thread (the other "
               "core's time, not the caller's)")
-        print(f"  least: the views of the state's {len(ranges)} ranges and one batched copy of them, with no "
-              f"bookkeeping at all: what a snapshot from Python costs at the least with this arena layout")
+        print(f"  torch views: the views of the state's {len(ranges)} ranges and one batched torch copy of them, "
+              f"with no bookkeeping: a snapshot's copy as torch alone would make it")
     return rows
 
 
@@ -209,7 +209,7 @@ def run(device: str = "cpu", rounds: int = 5, prefixes: tuple[int, ...] = (2048,
     room = max(max(prefixes) + SUFFIX + 64, ROLLBACK_PROMPT + ROLLBACK_TOKENS + 8)
     engine = Engine.from_config(ModelConfig.bench(), device=dev, max_seq_len=room, budgets={"device": 2 << 30})
     print(f"capsule benchmark on {machine()}; ModelConfig.bench(), fp32")
-    print("1. snapshot / restore vs one plain copy of the same bytes; a return and the least (no targets) "
+    print("1. snapshot / restore vs one plain copy of the same bytes; a return and torch views (no targets) "
           "vs the same copy")
     copies = copy_ratios(engine, [p for p in (16, 256, 1024, 4096, 16384) if p <= max(prefixes)], rounds)
     print("2. time to first token: capsule vs cold prefill")

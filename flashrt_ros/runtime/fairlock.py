@@ -11,10 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from threading import get_ident
 
 
 class FairRLock:
     """Reentrant; a released lock goes to the longest-waiting thread."""
+
+    __slots__ = ("_guard", "_cond", "_owner", "_depth", "_queue")
 
     def __init__(self) -> None:
         # The fast paths take ``_guard`` itself, the condition's lock: Condition.__enter__ is a
@@ -26,7 +29,7 @@ class FairRLock:
         self._queue: deque[int] = deque()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = threading.get_ident()
+        me = get_ident()
         if self._owner == me:
             # Only the owner sets the owner to itself or changes the depth, so re-entry needs
             # no internal lock (a capsule call re-enters two or three times; each internal
@@ -62,7 +65,7 @@ class FairRLock:
 
     def release(self, *_exc: object) -> None:
         """Also the lock's ``__exit__``, whose exception arguments it ignores."""
-        if self._owner != threading.get_ident():
+        if self._owner != get_ident():
             raise RuntimeError("cannot release a FairRLock this thread does not hold")
         if self._depth > 1:   # an inner release: the lock stays ours (see acquire)
             self._depth -= 1
@@ -74,7 +77,7 @@ class FairRLock:
                 self._cond.notify_all()
 
     def held_by_me(self) -> bool:
-        return self._owner == threading.get_ident()
+        return self._owner == get_ident()
 
     # Aliases, not wrappers: a capsule call takes the lock from a cold cache, where each Python
     # call costs microseconds. As with threading.Lock, ``with lock as x`` binds what acquire returns.
