@@ -1,4 +1,5 @@
-"""The package's small C library (``src/*.c``), loaded with ctypes: decode's one-row
+"""The package's small C library (``src/row_product.c``, ``row_ops.c``, ``delta_step.c``,
+``attention_step.c``), loaded with ctypes: decode's one-row
 products (``runtime.row_product``) and attention layers (``runtime.delta_step``, which
 runs prefill's linear attention too, and ``runtime.attention_step``). The capsules'
 span copies are a Python extension module of their own (``capsule.span_copy``).

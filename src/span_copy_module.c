@@ -28,24 +28,30 @@ static PyObject *span_copy_copy(PyObject *self, PyObject *const *args, Py_ssize_
     const long threads = PyLong_AsLong(args[1]);
     if (threads == -1 && PyErr_Occurred())
         return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "copy: spans must be a list or tuple of ints");
-    if (seq == NULL)
+    /* Exactly a list or tuple of ints: reading those runs no Python code (an __index__ could
+     * resize the list under the loop), and the interpreter lock stays held until the copy. */
+    PyObject *seq = args[0];
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+        PyErr_SetString(PyExc_TypeError, "copy: spans must be a list or tuple of ints");
         return NULL;
+    }
     const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     if (count % 3 != 0) {
-        Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "copy: spans must be (destination, source, length) triples");
         return NULL;
     }
     int64_t stack[ON_STACK];
     int64_t *spans = count <= ON_STACK ? stack : malloc((size_t)count * sizeof(int64_t));
-    if (spans == NULL) {
-        Py_DECREF(seq);
+    if (spans == NULL)
         return PyErr_NoMemory();
-    }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     int failed = 0;
     for (Py_ssize_t i = 0; i < count && !failed; i++) {
+        if (!PyLong_Check(items[i])) {
+            PyErr_SetString(PyExc_TypeError, "copy: spans must be a list or tuple of ints");
+            failed = 1;
+            break;
+        }
         spans[i] = PyLong_AsLongLong(items[i]);
         if (spans[i] == -1 && PyErr_Occurred())
             failed = 1;
@@ -54,7 +60,6 @@ static PyObject *span_copy_copy(PyObject *self, PyObject *const *args, Py_ssize_
             failed = 1;
         }
     }
-    Py_DECREF(seq);
     if (!failed) {
         const int team = threads < 1 ? 1 : threads > 1024 ? 1024 : (int)threads;
         Py_BEGIN_ALLOW_THREADS   /* as a torch copy does: the digest thread may run meanwhile */

@@ -60,19 +60,34 @@ def test_many_spans_are_copied_as_a_few():
     assert dst[0:200:2].tolist() == list(range(255, 155, -1)) and not dst[1:200:2].any() and not dst[200:].any()
 
 
+class _Resizes:
+    """An int-like item whose conversion would empty the list being read."""
+
+    victim: list = []
+
+    def __index__(self) -> int:
+        self.victim.clear()
+        return 3
+
+
 @pytest.mark.parametrize("spans, error", [
     ([1, 2], ValueError),                  # not triples
     ([1, 2, -3], ValueError),              # a negative length
     ([1, 2, "3"], TypeError),              # not ints
     ([1, 2, 2 ** 70], OverflowError),      # past 64 bits
+    ([1, 2, _Resizes()], TypeError),       # an __index__ could resize the list under the call
     (7, TypeError),                        # not a sequence
+    (b"abc", TypeError),                   # iterable, but bytes are not spans
+    (iter([1, 2, 3]), TypeError),
 ])
 def test_malformed_spans_are_refused_before_any_byte_is_copied(spans, error):
     dst = torch.zeros(16, dtype=torch.uint8)
     src = torch.ones(16, dtype=torch.uint8)
     good = [span_copy.address_of(dst), span_copy.address_of(src), 16]
+    given = good + spans if isinstance(spans, list) else spans
+    _Resizes.victim = given if isinstance(given, list) else []
     with pytest.raises(error):
-        span_copy.copy(good + spans if isinstance(spans, list) else spans)
+        span_copy.copy(given)
     assert not dst.any()
 
 

@@ -95,8 +95,8 @@ class Record:
 
 
 class RestorePlan:
-    """A restore's copies, prepared once: byte spans for one call to the C library on a CPU,
-    else arena and capsule views paired up for one batched torch copy."""
+    """A restore's copies, prepared once: byte spans for one ``span_copy`` call on a CPU, else
+    arena and capsule views paired up for one batched torch copy."""
 
     __slots__ = ("buffer", "arena", "capsule", "same_device", "spans", "fixed", "fixed_owner")
 
