@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashrt_ros.capsule import BudgetExceeded
+from flashrt_ros.capsule.store import _chunks
 from flashrt_ros.errors import ErrorCode
 from flashrt_ros.runtime import Engine, ModelConfig
 
@@ -600,3 +601,24 @@ def test_after_a_restart_the_oldest_disk_capsule_is_evicted_first(tmp_path):
     engine.prefill([1, 2, 3, 4])
     engine.snapshot("d3", tier="disk")
     assert sorted(c.name for c in engine.capsules.list()) == ["d1", "d2", "d3"], made
+
+
+def test_a_chain_of_snapshots_holds_each_chunk_once_and_frees_them_all():
+    """Each snapshot of a generation shares its base's rows, so the last one's pieces lie in
+    every chunk of the chain: each is counted (and released) once, by identity."""
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    engine.prefill(list(range(1, 9)))
+    taken = []
+    for _ in range(12):
+        taken.append(engine.snapshot())
+        engine.generate(1)
+    record = engine.capsules.resolve(taken[-1])
+    chunks = list(_chunks(record.pieces))
+    assert len(chunks) == 12 and len({id(c) for c in chunks}) == 12
+    for info in taken:
+        engine.capsules.get(info)   # digests done: their jobs hold no chunk any more
+    # The k-th chunk of the chain is held by the capsule that made it and by every later one.
+    assert sorted(c.refs for c in chunks) == list(range(1, 13))
+    for info in taken:
+        engine.capsules.drop(info)
+    assert engine.capsules.used_bytes("device") == 0
