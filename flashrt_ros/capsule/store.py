@@ -9,7 +9,6 @@ one background thread, from the capsule's own immutable copy.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -39,8 +38,7 @@ _LOWER = {"device": "host", "host": "disk", "disk": None}
 
 class Piece(NamedTuple):
     """Arena bytes [start, end) are ``chunk.data[offset : offset + end - start]``.
-    (A named tuple: a snapshot makes several, and a frozen dataclass costs 3x to build.
-    The hot paths build them with ``_piece``.)"""
+    (A named tuple: a snapshot makes several, and a frozen dataclass costs 3x to build.)"""
 
     start: int
     end: int
@@ -50,11 +48,6 @@ class Piece(NamedTuple):
     def view(self, start: int | None = None, end: int | None = None) -> torch.Tensor:
         s, e = self.start if start is None else start, self.end if end is None else end
         return self.chunk.data[self.offset + s - self.start:self.offset + e - self.start]
-
-
-# Piece((start, end, chunk, offset)) without the named tuple's Python-level __new__: a snapshot
-# and a restore make several from a cold cache, where each Python call costs microseconds.
-_piece = functools.partial(tuple.__new__, Piece)
 
 
 class Record:
@@ -84,12 +77,13 @@ class Record:
         [0:keep_rows] are there already. Sliced once and reused for the two cases that
         repeat: a full restore, and a return from a state that descends from this capsule
         (a checkpoint the robot keeps going back to)."""
-        keep = min(keep_rows, self.info.position)
+        position = self.info.position
+        keep = keep_rows if keep_rows < position else position   # not min(): every restore's path, cold
         plan = self._plans.get(keep)
         if plan is None or plan.buffer is not buffer:
-            ranges = layout.ranges(self.info.position, keep)
+            ranges = layout.ranges(position, keep)
             plan = RestorePlan(self.pieces, ranges, buffer, layout.fixed_bytes)
-            if keep in (0, self.info.position):
+            if keep in (0, position):
                 self._plans[keep] = plan
         return plan
 
@@ -139,7 +133,7 @@ def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
     for p in pieces:
         s, e = max(p.start, start), min(p.end, end)
         if s < e:
-            out.append(_piece((s, e, p.chunk, p.offset + s - p.start)))
+            out.append(Piece(s, e, p.chunk, p.offset + s - p.start))
     return out
 
 
@@ -742,7 +736,7 @@ def _copy_out(chunk: Chunk, ranges: Sequence[tuple[int, int]], arena_address: in
     at ``arena_address`` in one span copy. One loop for both: it is every CPU snapshot's path."""
     pieces, spans, offset, at = [], [], 0, chunk.address
     for s, e in ranges:
-        pieces.append(_piece((s, e, chunk, offset)))
+        pieces.append(Piece(s, e, chunk, offset))
         spans += (at + offset, arena_address + s, e - s)
         offset += e - s
     span_copy.copy(spans)
@@ -753,6 +747,6 @@ def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]
     """Pieces for ``ranges`` laid end to end in ``chunk``."""
     pieces, offset = [], 0
     for s, e in ranges:
-        pieces.append(_piece((s, e, chunk, offset)))
+        pieces.append(Piece(s, e, chunk, offset))
         offset += e - s
     return pieces
