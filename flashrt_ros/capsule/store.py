@@ -654,7 +654,7 @@ class CapsuleStore:
             layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
         read = disk_capsules.range_reader(ranges, data)
         info = info._replace(digest=state_digest(self.layout.regions, position, read),
-                       history_hash=history_digest(self.layout.regions, position, read))
+                             history_hash=history_digest(self.layout.regions, position, read))
         path = self._write_disk(info, ranges, data, log_runs)
         record = Record(info, [], log_runs, path)
         self._records[info.id] = record
