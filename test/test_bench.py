@@ -26,7 +26,7 @@ def test_capsule_benchmark_runs_with_short_prefixes():
 
 
 def test_runtime_benchmark_runs_and_reports_the_decode_floor():
-    result = runtime.run("cpu", prompt=16, tokens=2, rounds=1)
+    result = runtime.run("cpu", prompt=16, tokens=2, rounds=3)   # medians of 3: one slow memcpy made it 0.45
     assert [c["name"] for c in result["checks"]] == [
         "decode speed-up over transformers", "decode time / bandwidth limit", "prefill speed-up over transformers"]
     assert all(_finite(c) for c in result["checks"])
