@@ -1,6 +1,9 @@
 """Forks share their parent's KV prefix: branches are independent, exact, and cost about P + N * delta."""
 from __future__ import annotations
 
+import torch
+
+from flashrt_ros.capsule.store import SHARE_PIECES
 from flashrt_ros.runtime import Engine, ModelConfig
 
 
@@ -47,3 +50,28 @@ def test_n_branches_of_a_long_prefix_cost_about_one_prefix():
     assert used <= one_prefix + branches * per_branch + branches * 256  # alignment slack only
     full_copies = branches * (engine.arena.fixed_bytes + (prefix + delta) * rows)
     assert used < 0.25 * (one_prefix + full_copies)
+
+
+def test_a_long_chain_of_snapshots_stays_in_few_pieces_and_each_restores_exactly():
+    """A snapshot per step, each extending the last: the rows are shared until the base lies in
+    SHARE_PIECES pieces, then copied whole, so no capsule's piece list (and no snapshot's
+    slicing) grows with the chain. Every capsule still holds its own state."""
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    engine.prefill(list(range(1, 9)))
+    per_token = sum(r.per_token for r in engine.arena.regions)
+    taken, states = [], []
+    for _ in range(3 * SHARE_PIECES // per_token):   # past the bound twice
+        taken.append(engine.snapshot())
+        states.append(engine.arena.buffer.clone())
+        engine.generate(1)
+    pieces = [len(engine.capsules.resolve(info).pieces) for info in taken]
+    assert max(pieces) <= SHARE_PIECES + per_token + 1
+    assert pieces.count(pieces[0]) >= 2, "the chain starts over: some capsules are whole copies again"
+    layout = engine.capsules.layout
+    rows_copied = sum(info.nbytes - layout.fixed_bytes for info in taken)
+    assert rows_copied < sum(info.position * layout.row_bytes for info in taken) / 4, "most rows are still shared"
+    for info, state in list(zip(taken, states))[::7]:
+        engine.restore(info)
+        live = engine.capsules.layout.ranges(info.position)
+        assert all(torch.equal(engine.arena.buffer[s:e], state[s:e]) for s, e in live)
+        assert engine.state_digest() == engine.capsules.get(info.id).digest
