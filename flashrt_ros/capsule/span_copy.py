@@ -7,13 +7,14 @@ decode step has streamed the weights through it) the views alone cost a third
 of the copy of a 1.6 MiB state, and torch copying the arena's ranges into a
 pool chunk took 209 us where a C call (then through ctypes) took 127-143 (a
 copy between two plain buffers took the same time either way; bench VM,
-interleaved). So spans are given by address. The C code writes long stretches with
-non-temporal stores (see the C file): from a cold cache a snapshot's copy then
-takes less than torch's copy of the same bytes. It is a Python extension
-module, not a ctypes call like the package's other C code: from a cold cache
-ctypes' conversions and the packed array it needs took 35-40 us more than
-this module's call (1.6 MiB copied in 95-123 us). Without the module, or on a GPU,
-callers copy through torch.
+interleaved). So spans are given by address. The C code writes long
+stretches with non-temporal stores (see the C file): from a cold cache a
+snapshot's copy then takes less than torch's copy of the same bytes.
+
+It is a Python extension module, not a ctypes call like the package's other C
+code: from a cold cache ctypes' conversions and the packed array it needs took
+35-40 us more than this module's call (1.6 MiB copied in 95-123 us). Without
+the module, or on a GPU, callers copy through torch.
 """
 from __future__ import annotations
 
