@@ -52,8 +52,8 @@ def test_prepared_copies_repeat_the_same_spans():
         dst.zero_()
 
 
-def test_many_spans_are_copied_as_a_few():
-    """More triples than the call keeps on its stack: the same bytes."""
+def test_more_spans_than_the_call_keeps_on_its_stack_land_the_same():
+    """Past 32 triples the call copies them into the heap first: the same bytes."""
     src, dst = torch.arange(256, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)
     to, at = span_copy.address_of(dst), span_copy.address_of(src)
     span_copy.copy(tuple(v for i in range(100) for v in (to + 2 * i, at + 255 - i, 1)))
