@@ -52,8 +52,8 @@ class Layout:
 
     def ranges_bytes(self, position: int, start_position: int = 0) -> int:
         """The bytes ``ranges(position, start_position)`` cover, without building them (a
-        snapshot sizes its chunk with this: summing the ranges cost it 10 us from a cold cache;
-        so did the builtin max, hence the conditional)."""
+        snapshot sizes its chunk with this: from a cold cache, sizing it with a generator summed
+        over the ranges measured 10-15 us more, and a builtin max costs 9 us, hence the conditional)."""
         rows = position - start_position
         return self.fixed_bytes + (rows * self.row_bytes if rows > 0 else 0)
 

@@ -89,7 +89,7 @@ class DevicePool:
         return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
 
     def allocate(self, nbytes: int) -> Chunk | None:
-        size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN   # footprint(), inlined: every snapshot's path
+        size = self.footprint(nbytes)
         for i, (offset, free) in enumerate(self._free):
             if free >= size:
                 if free == size:
