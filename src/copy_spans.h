@@ -4,7 +4,10 @@
 
 #include <stdint.h>
 
-/* ``spans``: n triples (destination address, source address, length in bytes), not overlapping. */
-void flashrt_copy_spans(const int64_t *spans, long n, int threads);
+/* ``spans``: n triples (destination address, source address, length in bytes), not overlapping,
+ * copied by up to ``threads`` threads, the caller's among them. ``during``, unless NULL, runs
+ * once on the calling thread, with ``context``, before that thread joins the copy. Every byte is
+ * copied when the call returns. */
+void flashrt_copy_spans(const int64_t *spans, long n, int threads, void (*during)(void *), void *context);
 
 #endif

@@ -4,7 +4,8 @@
  * weights through it), and there the call itself costs: ctypes' argument conversion plus the
  * array.array the spans had to be packed into took 35-40 us more than this function, a quarter
  * of copying a 1.6 MiB state (bench VM, interleaved). Here the spans come as a list or tuple of
- * ints and are read straight into a C array.
+ * ints and are read straight into a C array, and a Python callable (the snapshot's bookkeeping)
+ * can run on the calling thread while the other threads already copy.
  *
  * The caller vouches for the addresses, as with any copy by address: see span_copy.py.
  */
@@ -18,65 +19,109 @@
 /* A snapshot has a handful of spans: their triples fit here, with no allocation. */
 #define ON_STACK 96
 
-/* copy(spans, threads): spans are flat (destination, source, length) triples. */
-static PyObject *span_copy_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "copy(spans, threads) takes 2 arguments");
-        return NULL;
-    }
-    const long threads = PyLong_AsLong(args[1]);
-    if (threads == -1 && PyErr_Occurred())
-        return NULL;
-    /* Exactly a list or tuple of ints: reading those runs no Python code (an __index__ could
-     * resize the list under the loop), and the interpreter lock stays held until the copy. */
-    PyObject *seq = args[0];
+/* Reads ``seq`` into ``spans`` (``stack`` when it fits, else allocated: the caller frees what is not
+ * ``stack``). Exactly a list or tuple of ints: reading those runs no Python code (an __index__ could
+ * resize the list under the loop). Returns the number of triples, or -1 with an exception set. */
+static Py_ssize_t read_spans(PyObject *seq, int64_t *stack, int64_t **spans) {
     if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
-        PyErr_SetString(PyExc_TypeError, "copy: spans must be a list or tuple of ints");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, "spans must be a list or tuple of ints");
+        return -1;
     }
     const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     if (count % 3 != 0) {
-        PyErr_SetString(PyExc_ValueError, "copy: spans must be (destination, source, length) triples");
+        PyErr_SetString(PyExc_ValueError, "spans must be (destination, source, length) triples");
+        return -1;
+    }
+    int64_t *out = count <= ON_STACK ? stack : malloc((size_t)count * sizeof(int64_t));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyLong_Check(items[i])) {
+            PyErr_SetString(PyExc_TypeError, "spans must be a list or tuple of ints");
+            goto failed;
+        }
+        out[i] = PyLong_AsLongLong(items[i]);
+        if (out[i] == -1 && PyErr_Occurred())
+            goto failed;
+        if (i % 3 == 2 && out[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "a span's length is negative");
+            goto failed;
+        }
+    }
+    *spans = out;
+    return count / 3;
+failed:
+    if (out != stack)
+        free(out);
+    return -1;
+}
+
+static int read_threads(PyObject *value) {
+    const long threads = PyLong_AsLong(value);
+    if (threads == -1 && PyErr_Occurred())
+        return -1;
+    return threads < 1 ? 1 : threads > 1024 ? 1024 : (int)threads;
+}
+
+/* ``during`` runs on the calling thread, interpreter lock held, while the team copies; then
+ * the thread lets go of the lock and joins the copy. */
+typedef struct {
+    PyObject *call, *result;
+    PyThreadState *saved;
+} During;
+
+static void run_during(void *context) {
+    During *during = context;
+    during->result = PyObject_CallNoArgs(during->call);   /* NULL with the exception set */
+    during->saved = PyEval_SaveThread();
+}
+
+/* copy(spans, threads, during=None): spans are flat (destination, source, length) triples. */
+static PyObject *span_copy_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int64_t stack[ON_STACK], *spans = NULL;
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy(spans, threads, during=None) takes 2 or 3 arguments");
         return NULL;
     }
-    int64_t stack[ON_STACK];
-    int64_t *spans = count <= ON_STACK ? stack : malloc((size_t)count * sizeof(int64_t));
-    if (spans == NULL)
-        return PyErr_NoMemory();
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    int failed = 0;
-    for (Py_ssize_t i = 0; i < count && !failed; i++) {
-        if (!PyLong_Check(items[i])) {
-            PyErr_SetString(PyExc_TypeError, "copy: spans must be a list or tuple of ints");
-            failed = 1;
-            break;
+    During during = {NULL, NULL, NULL};
+    if (nargs == 3 && args[2] != Py_None) {
+        if (!PyCallable_Check(args[2])) {
+            PyErr_SetString(PyExc_TypeError, "copy: during must be callable or None");
+            return NULL;
         }
-        spans[i] = PyLong_AsLongLong(items[i]);
-        if (spans[i] == -1 && PyErr_Occurred())
-            failed = 1;
-        else if (i % 3 == 2 && spans[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "copy: a span's length is negative");
-            failed = 1;
-        }
+        during.call = args[2];
     }
-    if (!failed) {
-        const int team = threads < 1 ? 1 : threads > 1024 ? 1024 : (int)threads;
+    const int threads = read_threads(args[1]);
+    if (threads < 0)
+        return NULL;
+    const Py_ssize_t n = read_spans(args[0], stack, &spans);
+    if (n < 0)
+        return NULL;
+    if (during.call == NULL) {
         Py_BEGIN_ALLOW_THREADS   /* as a torch copy does: the digest thread may run meanwhile */
-        flashrt_copy_spans(spans, (long)(count / 3), team);
+        flashrt_copy_spans(spans, (long)n, threads, NULL, NULL);
         Py_END_ALLOW_THREADS
+    } else {
+        flashrt_copy_spans(spans, (long)n, threads, run_during, &during);
+        PyEval_RestoreThread(during.saved);
     }
     if (spans != stack)
         free(spans);
-    if (failed)
-        return NULL;
-    Py_RETURN_NONE;
+    if (during.call == NULL)
+        Py_RETURN_NONE;
+    return during.result;   /* NULL, raising the call's exception, when it raised */
 }
 
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))span_copy_copy, METH_FASTCALL,
-     "copy(spans, threads): copy flat (destination, source, length) triples, ``threads`` sharing the\n"
-     "bytes. Lets go of the interpreter lock meanwhile. The caller vouches for the addresses."},
+     "copy(spans, threads, during=None): copy flat (destination, source, length) triples, ``threads``\n"
+     "sharing the bytes. ``during()`` runs on this thread while the others start; once every byte\n"
+     "is copied its result is returned (its exception raised). Lets go of the interpreter lock for\n"
+     "the copy. The caller vouches for the addresses."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,6 +5,7 @@ made them."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -21,13 +22,13 @@ def test_the_build_installs_the_span_copy():
 
 def _spans(size: int) -> list[tuple[int, int, int]]:
     """(destination offset, source offset, length): odd lengths and offsets, one empty, out of
-    order, so that the threads' equal shares of the total start and end inside spans; the long
-    one is streamed, from a destination off the 16-byte grid (see copy_spans.c)."""
+    order, so that the threads' blocks start and end inside spans; the long one is streamed,
+    from a destination off the 16-byte grid (see copy_spans.c)."""
     return [(5, 1000, 333), (400, 7, 1), (401, 0, 0), (2003, 3001, size - 3004), (402, 2500, 97)]
 
 
 def test_spans_land_where_torch_slicing_puts_them_at_any_thread_count():
-    size = 1 << 16
+    size = 5 * (1 << 16) + 777   # six 64 KiB blocks: every thread count here gets some
     src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     expected = torch.zeros(size, dtype=torch.uint8)
     for d, s, n in _spans(size):
@@ -41,6 +42,41 @@ def test_spans_land_where_torch_slicing_puts_them_at_any_thread_count():
 
     for out in at_thread_counts(copied, (1, 2, 3, 7)):
         assert torch.equal(out, expected)
+
+
+def test_during_runs_on_the_calling_thread_and_its_result_comes_once_every_byte_is_copied():
+    """A snapshot's bookkeeping runs as ``during`` while the other threads copy: 1 MiB is
+    sixteen blocks, enough for every thread count here to share."""
+    size = 1 << 20
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+
+    def copied() -> tuple[torch.Tensor, int]:
+        dst = torch.zeros(size, dtype=torch.uint8)
+        spans = [span_copy.address_of(dst) + 1, span_copy.address_of(src), size - 1]
+        return dst, span_copy.copy(spans, during=threading.get_ident)
+
+    for dst, ran_on in at_thread_counts(copied, (1, 2, 3)):
+        assert ran_on == threading.get_ident()
+        assert torch.equal(dst[1:], src[:-1]) and dst[0] == 0
+
+
+def test_an_exception_in_during_is_raised_after_the_copy_is_whole():
+    size = 1 << 20
+    src, dst = torch.ones(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+
+    def fails() -> None:
+        raise RuntimeError("bookkeeping failed")
+
+    with pytest.raises(RuntimeError, match="bookkeeping failed"):
+        span_copy.copy([span_copy.address_of(dst), span_copy.address_of(src), size], during=fails)
+    assert bool(dst.all())
+
+
+def test_a_during_that_cannot_be_called_is_refused_before_any_byte_is_copied():
+    src, dst = torch.ones(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="during must be callable"):
+        span_copy.copy([span_copy.address_of(dst), span_copy.address_of(src), 16], during=42)
+    assert not dst.any()
 
 
 def test_prepared_copies_repeat_the_same_spans():
