@@ -89,8 +89,8 @@ void flashrt_copy_spans(const int64_t *spans, long n, int threads, void (*during
     atomic_int_fast64_t next;
     atomic_init(&next, 0);
     const int64_t blocks = (total + BLOCK - 1) / BLOCK;
-    if (during != NULL && threads > blocks)   /* more threads than blocks would find nothing to do */
-        threads = blocks > 1 ? (int)blocks : 1;
+    if (during != NULL && threads > blocks + 1)   /* more would find nothing to do; thread 0 is busy */
+        threads = (int)blocks + 1;
     if (threads < 1)
         threads = 1;
 #pragma omp parallel num_threads(threads)

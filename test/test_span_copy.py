@@ -172,6 +172,47 @@ def test_a_buffer_shorter_than_the_layout_is_refused_and_nothing_is_kept():
     assert store.used_bytes("device") == used and store.list() == []
 
 
+def test_a_snapshot_interrupted_as_its_copy_returns_is_hashed_and_drops_whole(monkeypatch):
+    """A Ctrl-C during the copy is raised as the C call returns, after the bookkeeping that
+    ran during it: the capsule it made is still queued for its digest, and dropping it
+    frees its bytes."""
+    from flashrt_ros.capsule import store as store_module
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.prefill([1, 2, 3])
+    used = engine.capsules.used_bytes("device")
+    real = span_copy.copy
+
+    def interrupted(spans, during=None):
+        real(spans, during=during)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_module.span_copy, "copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.snapshot(name="cut")
+    monkeypatch.setattr(store_module.span_copy, "copy", real)
+    assert engine.capsules.get("cut").digest == engine.state_digest()
+    engine.capsules.drop("cut")
+    assert engine.capsules.used_bytes("device") == used
+    engine.close()
+
+
+def test_a_snapshot_whose_bookkeeping_fails_keeps_no_bytes(monkeypatch):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.prefill([1, 2, 3])
+    store = engine.capsules
+    used, largest = store.used_bytes("device"), store.pool.largest_free()
+
+    def no_id() -> str:
+        raise RuntimeError("no id")
+
+    monkeypatch.setattr(store, "_new_id", no_id)
+    with pytest.raises(RuntimeError, match="no id"):
+        engine.snapshot()
+    assert store.used_bytes("device") == used and store.pool.largest_free() == largest and store.list() == []
+    engine.close()
+
+
 def test_ids_differ_in_a_forked_child(tmp_path):
     """A child shares its parent's generator state and its ids made ahead at the fork: it is
     seeded again and drops them, or both would make the same ids (and overwrite each other's

@@ -58,8 +58,10 @@ def copy(spans: Sequence[int], during: Callable[[], T] | None = None) -> T | Non
 
     The caller vouches for the addresses: each span inside memory that stays alive
     for the call (addresses from ``address_of``, offsets checked against its size),
-    no two overlapping, and nothing ``during`` does writes or frees them. The copy lets
-    go of the interpreter lock, as a torch copy does.
+    no two overlapping, and nothing ``during`` does writes or frees them. ``during`` runs
+    inside the copy's OpenMP region: torch's parallel loops run on one thread there, and
+    the other threads wait at its end. The copy lets go of the interpreter lock, as a torch
+    copy does.
     """
     return _MODULE.copy(spans, torch.get_num_threads(), during)
 

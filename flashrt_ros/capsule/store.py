@@ -316,31 +316,44 @@ class CapsuleStore:
                 shared, ranges = [], self.layout.ranges(position)   # copy it all; the base may go
                 chunk = self._allocate(tier, self.layout.ranges_bytes(position))
             need = chunk.nbytes
+            made: list[Record] = []
 
             def register(pieces: list[Piece] | None = None) -> Record:
                 pieces = _pieces_over(chunk, ranges) if pieces is None else pieces
                 kept = sorted(shared + pieces, key=lambda p: p.start) if shared else pieces
-                return self._register(kept, position, name, tier, pin, parent, need, log_runs, hash_later=False)
+                made.append(self._register(kept, position, name, tier, pin, parent, need, log_runs,
+                                           hash_later=False))
+                return made[0]
 
-            if at:
-                # The other threads copy while this one does the bookkeeping, the pieces included
-                # (snapshot / copy at 1.6 MiB: 1.14-1.21, against 1.16-1.33 with the bookkeeping
-                # after the copy and 1.22-1.29 with the pieces made before it; bench VM,
-                # interleaved; no difference from 3.8 MiB, where the copy dwarfs it).
-                record = span_copy.copy(_spans_into(chunk, ranges, at), during=register)
-            else:
-                pieces = _pieces_over(chunk, ranges)
-                if self._local[tier]:
-                    # One dispatch for every range (see RestorePlan.run); ``cat`` into the chunk
-                    # took 1.35x as long as this at 3.8 MiB.
-                    torch._foreach_copy_([p.view() for p in pieces], [buffer[s:e] for s, e in ranges])
+            try:
+                if at:
+                    # The other threads copy while this one does the bookkeeping, the pieces
+                    # included (snapshot / copy at 1.6 MiB: 1.10-1.21, against 1.16-1.33 with the
+                    # bookkeeping after the copy and 1.22-1.29 with the pieces made before it;
+                    # bench VM, interleaved; no difference from 3.8 MiB, where the copy dwarfs it).
+                    span_copy.copy(_spans_into(chunk, ranges, at), during=register)
                 else:
-                    for p in pieces:
-                        p.view().copy_(buffer[p.start:p.end], non_blocking=True)
-                    chunk.copied_from(buffer.device)   # the digest thread reads these bytes on the CPU
-                record = register(pieces)
-            # Queued once the bytes are all there: the digest job reads them.
-            self.digests.submit(record, list(record.pieces))
+                    pieces = _pieces_over(chunk, ranges)
+                    if self._local[tier]:
+                        # One dispatch for every range (see RestorePlan.run); ``cat`` into the
+                        # chunk took 1.35x as long as this at 3.8 MiB.
+                        torch._foreach_copy_([p.view() for p in pieces], [buffer[s:e] for s, e in ranges])
+                    else:
+                        for p in pieces:
+                            p.view().copy_(buffer[p.start:p.end], non_blocking=True)
+                        chunk.copied_from(buffer.device)   # the digest thread reads these bytes on the CPU
+                    register(pieces)
+            except BaseException:
+                if not made:   # nothing holds the chunk: a failed snapshot keeps no bytes
+                    self._free(chunk)
+                raise
+            finally:
+                # Queued once the bytes are all there, as the digest job reads them; also when
+                # the call is interrupted after the copy (a Ctrl-C is raised as the C call
+                # returns), or the record would keep an empty digest and a hold never released.
+                if made:
+                    self.digests.submit(made[0], list(made[0].pieces))
+            record = made[0]
             self._emit("snapshot", record.info)
         return record
 
@@ -455,11 +468,14 @@ class CapsuleStore:
         for chunk in _chunks(pieces):
             chunk.refs -= 1
             if chunk.refs == 0:
-                self._used[chunk.tier] -= chunk.nbytes
-                for hook in self.before_free:
-                    hook(chunk)
-                if chunk.tier == "device":
-                    self.pool.release(chunk)
+                self._free(chunk)
+
+    def _free(self, chunk: Chunk) -> None:
+        self._used[chunk.tier] -= chunk.nbytes
+        for hook in self.before_free:
+            hook(chunk)
+        if chunk.tier == "device":
+            self.pool.release(chunk)
 
     def close(self) -> None:
         """Stop the digest thread once its queue is done and forget every capsule held in
