@@ -1,7 +1,8 @@
 """The capsules' span copies (src/copy_spans.c, through the extension module of
-src/span_copy_module.c): the bytes of torch's slicing for any thread count, malformed spans
-refused, addresses only of byte tensors, and capsules that are the same bytes whichever copy
-made them."""
+src/span_copy_module.c): the bytes of torch's slicing for any thread count, with or without
+bookkeeping run during the copy, malformed spans refused, addresses only of byte tensors,
+capsules that are the same bytes whichever copy made them, and snapshots that fail or are
+interrupted around the copy keeping nothing half done."""
 from __future__ import annotations
 
 import os
