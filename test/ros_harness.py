@@ -32,18 +32,6 @@ def wait_future(future, timeout: float = 30.0):
     return future.result()
 
 
-def wait_until(condition, timeout: float = 5.0, poll: float = 0.01) -> bool:
-    """Polls condition until it holds or timeout passes; returns its last value. For what
-    arrives on its own topic with no order against a service answer, such as action feedback
-    against the result."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return bool(condition())
-        time.sleep(poll)
-    return True
-
-
 class Harness:
     def __init__(self, context, overrides: dict[str, Any] | None = None, activate: bool = True,
                  name: str = "flashrt") -> None:

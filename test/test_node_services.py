@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("rclpy")
 
 from flashrt_ros.errors import ErrorCode  # noqa: E402
-from ros_harness import Harness, wait_future, wait_until  # noqa: E402
+from ros_harness import Harness, wait_future  # noqa: E402
 
 
 @pytest.fixture
@@ -229,8 +229,13 @@ def test_generate_streams_feedback_reports_ttft_and_matches_the_engine(live):
     expected = reference.generate(12)
     stop = expected.index(257) + 1 if 257 in expected else 12
     assert list(res.tokens) == expected[:stop]
-    # feedback travels on a topic and the result through a service: the last feedback may land after it
-    assert wait_until(lambda: bool(seen) and seen[-1] == list(res.tokens)), "feedback did not stream the tokens"
+    # Feedback travels on a topic and the result through a service, with no order between them, and
+    # rclpy's client drops a goal's feedback once its result is in: the last tokens' feedback may
+    # never be seen (nor one a full feedback queue let go). What streams must be ever longer
+    # prefixes of the result's tokens.
+    assert seen, "no feedback streamed"
+    assert all(tokens == list(res.tokens[:len(tokens)]) for tokens in seen), seen
+    assert all(len(a) < len(b) for a, b in zip(seen, seen[1:])), seen
 
 
 def test_a_sampled_goal_draws_what_the_engine_draws_and_its_journal_replays(live):
