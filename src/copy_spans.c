@@ -102,7 +102,7 @@ void flashrt_copy_spans(const int64_t *spans, long n, int threads, void (*during
 #endif
         if (during == NULL) {
             /* All start together: equal shares of consecutive bytes, one stretch each (claimed
-             * blocks, interleaved between the threads, took 0-9% longer at 1.6 MiB, six runs). */
+             * blocks, interleaved between the threads, took up to 9% longer at 1.6 MiB, six runs). */
             copy_batch_bytes(spans, n, total * me / team, total * (me + 1) / team);
         } else {
             if (me == 0)

@@ -316,19 +316,18 @@ class CapsuleStore:
                 shared, ranges = [], self.layout.ranges(position)   # copy it all; the base may go
                 chunk = self._allocate(tier, self.layout.ranges_bytes(position))
             need = chunk.nbytes
-            made: list[Record] = []
+            record: Record | None = None
 
-            def register(pieces: list[Piece] | None = None) -> Record:
+            def register(pieces: list[Piece] | None = None) -> None:
+                nonlocal record
                 pieces = _pieces_over(chunk, ranges) if pieces is None else pieces
                 kept = sorted(shared + pieces, key=lambda p: p.start) if shared else pieces
-                made.append(self._register(kept, position, name, tier, pin, parent, need, log_runs,
-                                           hash_later=False))
-                return made[0]
+                record = self._register(kept, position, name, tier, pin, parent, need, log_runs)
 
             try:
                 if at:
                     # The other threads copy while this one does the bookkeeping, the pieces
-                    # included (snapshot / copy at 1.6 MiB: 1.10-1.21, against 1.16-1.33 with the
+                    # included (snapshot / copy at 1.6 MiB: 1.10-1.21, against 1.15-1.33 with the
                     # bookkeeping after the copy and 1.22-1.29 with the pieces made before it;
                     # bench VM, interleaved; no difference from 3.8 MiB, where the copy dwarfs it).
                     span_copy.copy(_spans_into(chunk, ranges, at), during=register)
@@ -344,16 +343,15 @@ class CapsuleStore:
                         chunk.copied_from(buffer.device)   # the digest thread reads these bytes on the CPU
                     register(pieces)
             except BaseException:
-                if not made:   # nothing holds the chunk: a failed snapshot keeps no bytes
+                if record is None:   # nothing holds the chunk: a failed snapshot keeps no bytes
                     self._free(chunk)
                 raise
             finally:
                 # Queued once the bytes are all there, as the digest job reads them; also when
                 # the call is interrupted after the copy (a Ctrl-C is raised as the C call
                 # returns), or the record would keep an empty digest and a hold never released.
-                if made:
-                    self.digests.submit(made[0], list(made[0].pieces))
-            record = made[0]
+                if record is not None:
+                    self.digests.submit(record, list(record.pieces))
             self._emit("snapshot", record.info)
         return record
 
@@ -375,6 +373,8 @@ class CapsuleStore:
             known = (source.info.digest, source.info.history_hash) if _digest_final(source) else None
             record = self._register(pieces, source.info.position, name, tier, False, source.info.id, nbytes,
                                     source.log, known=known)
+            if known is None:
+                self.digests.submit(record, list(pieces))
             self._emit("fork", record.info)
         return record
 
@@ -445,11 +445,10 @@ class CapsuleStore:
 
     # ---- internals -------------------------------------------------------------------------------
     def _register(self, pieces: list[Piece], position: int, name: str, tier: str, pin: bool, parent: str,
-                  nbytes: int, log_runs: tuple, known: tuple[str, str] | None = None,
-                  hash_later: bool = True) -> Record:
+                  nbytes: int, log_runs: tuple, known: tuple[str, str] | None = None) -> Record:
         """``known``: the (digest, history hash) of these very bytes, when already computed.
-        Otherwise the record's digest job holds its chunks too; ``hash_later=False``: the caller
-        submits that job itself (after the bytes are copied)."""
+        Otherwise the record's digest job holds its chunks too, and the caller submits that
+        job (``digests.submit``) once the bytes are all there."""
         digest, history = known or ("", "")
         # Positional, in field order: keywords cost a cold snapshot several microseconds.
         info = CapsuleInfo(self._new_id(), name, parent, position, nbytes, tier, bool(pin), time.time(),
@@ -460,8 +459,6 @@ class CapsuleStore:
             chunk.refs += 1 if known else 2
         record = Record(info, pieces, log_runs)
         self._records[info.id] = record
-        if not known and hash_later:
-            self.digests.submit(record, list(pieces))
         return record
 
     def _release(self, pieces: list[Piece]) -> None:
