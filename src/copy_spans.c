@@ -5,9 +5,9 @@
  * ``spans`` holds n triples (destination address, source address, length in bytes), laid end to
  * end as one batch of bytes. Spans must not overlap. The threads of an OpenMP team share the
  * batch, whatever the spans' sizes: in equal stretches of consecutive bytes, or, when the calling
- * thread first runs ``during`` (a snapshot's bookkeeping) while the others already copy, in
- * BLOCK-sized blocks claimed one atomic add at a time, so that it takes what is left when it
- * joins. The team is torch's (same runtime), whose threads still spin from the last parallel
+ * thread first runs ``during`` (a capsule's bookkeeping) while the others already copy, in
+ * BLOCK-sized blocks, the others claiming from the front and the calling thread, once it joins,
+ * from the back, so that it takes what is left. The team is torch's (same runtime), whose threads still spin from the last parallel
  * region: a thread of our own, woken from sleep, joined so late on the bench VM that it copied
  * next to nothing.
  *
@@ -70,14 +70,32 @@ static void copy_batch_bytes(const int64_t *spans, long n, int64_t first, int64_
 }
 
 /* Small enough that a caller joining after ``during`` still finds blocks to take; large enough
- * that a claim (one atomic add on a line every thread writes) is rare next to the copy. */
+ * that a claim (one atomic operation on a line every thread writes) is rare next to the copy. */
 #define BLOCK (64 * 1024)
 
-static void claim_and_copy(const int64_t *spans, long n, int64_t total, atomic_int_fast64_t *next) {
+/* The blocks not yet claimed, [front, back), in one word so that both ends move atomically:
+ * the team takes blocks from the front, the calling thread, once ``during`` returns, from the
+ * back. Each thread so streams through consecutive blocks: blocks handed out alternately from
+ * the front, the calling thread's among them, took 10-15% longer at 3.8 MiB (bench VM,
+ * interleaved), as a stretch of one thread does not. */
+#define FRONT(word) ((word) & 0xffffffffu)
+#define BACK(word) ((word) >> 32)
+
+static int64_t claim(atomic_uint_fast64_t *left, int from_back) {
+    uint_fast64_t word = atomic_load_explicit(left, memory_order_relaxed);
     for (;;) {
-        const int64_t first = atomic_fetch_add_explicit(next, 1, memory_order_relaxed) * BLOCK;
-        if (first >= total)
-            return;
+        const uint_fast64_t front = FRONT(word), back = BACK(word);
+        if (front >= back)
+            return -1;
+        const uint_fast64_t next = from_back ? front | (back - 1) << 32 : (front + 1) | back << 32;
+        if (atomic_compare_exchange_weak_explicit(left, &word, next, memory_order_relaxed, memory_order_relaxed))
+            return (int64_t)(from_back ? back - 1 : front);
+    }
+}
+
+static void claim_and_copy(const int64_t *spans, long n, int64_t total, atomic_uint_fast64_t *left, int from_back) {
+    for (int64_t block; (block = claim(left, from_back)) >= 0;) {
+        const int64_t first = block * BLOCK;
         copy_batch_bytes(spans, n, first, first + BLOCK < total ? first + BLOCK : total);
     }
 }
@@ -86,9 +104,9 @@ void flashrt_copy_spans(const int64_t *spans, long n, int threads, void (*during
     int64_t total = 0;
     for (long i = 0; i < n; i++)
         total += spans[3 * i + 2];
-    atomic_int_fast64_t next;
-    atomic_init(&next, 0);
-    const int64_t blocks = (total + BLOCK - 1) / BLOCK;
+    const int64_t blocks = (total + BLOCK - 1) / BLOCK;   /* < 2^32: a batch is far under 256 TiB */
+    atomic_uint_fast64_t left;
+    atomic_init(&left, (uint_fast64_t)blocks << 32);
     if (during != NULL && threads > blocks + 1)   /* more would find nothing to do; thread 0 is busy */
         threads = (int)blocks + 1;
     if (threads < 1)
@@ -107,7 +125,7 @@ void flashrt_copy_spans(const int64_t *spans, long n, int threads, void (*during
         } else {
             if (me == 0)
                 during(context);
-            claim_and_copy(spans, n, total, &next);
+            claim_and_copy(spans, n, total, &left, me == 0);
         }
     }   /* the region's end waits for every thread's last bytes */
 }
