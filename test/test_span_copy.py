@@ -1,6 +1,6 @@
 """The capsules' span copies (src/copy_spans.c, through the extension module of
-src/span_copy_module.c): the bytes of torch's slicing for any thread count, with or without
-bookkeeping run during the copy, malformed spans refused, addresses only of byte tensors,
+src/span_copy_module.c): the bytes of torch's slicing for any thread count, a layout's rows laid
+end to end, bookkeeping run during the copy, malformed spans and rows refused, addresses only of byte tensors,
 capsules that are the same bytes whichever copy made them, and snapshots that fail or are
 interrupted around the copy keeping nothing half done."""
 from __future__ import annotations
@@ -45,20 +45,42 @@ def test_spans_land_where_torch_slicing_puts_them_at_any_thread_count():
         assert torch.equal(out, expected)
 
 
+# (offset, row bytes) of three per-token regions of a 3000-byte buffer, the second starting where
+# the fixed block ends (Layout.ranges merges those two; laid end to end it is the same bytes).
+_FIXED, _ROWS = 37, ((37, 11), (600, 5), (1200, 29))
+
+
+def _row_ranges(start: int, end: int) -> list[tuple[int, int]]:
+    return [(0, _FIXED)] + ([(o + start * r, o + end * r) for o, r in _ROWS] if end > start else [])
+
+
+@pytest.mark.parametrize("start, end", [(0, 50), (3, 50), (17, 18), (9, 9), (12, 4)])
+def test_rows_land_as_the_layouts_ranges_laid_end_to_end(start, end):
+    src = torch.randint(0, 256, (3000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    expected = torch.cat([src[s:e] for s, e in _row_ranges(start, end)])
+    dst = torch.zeros(expected.numel() + 8, dtype=torch.uint8)
+    span_copy.copy_rows(span_copy.address_of(dst) + 3, span_copy.address_of(src), _FIXED, _ROWS, start, end)
+    assert torch.equal(dst[3:3 + expected.numel()], expected) and not dst[:3].any() and not dst[3 + expected.numel():].any()
+
+
 def test_during_runs_on_the_calling_thread_and_its_result_comes_once_every_byte_is_copied():
-    """A snapshot's bookkeeping runs as ``during`` while the other threads copy: 1 MiB is
-    sixteen blocks, enough for every thread count here to share."""
-    size = 1 << 20
-    src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    """A snapshot's bookkeeping runs as ``during`` while the other threads copy: rows of 1 MiB
+    and more are sixteen blocks and more, enough for every thread count here to share."""
+    rows = ((4096, 4096), (8 << 20, 2048))
+    src = torch.randint(0, 256, ((8 << 20) + (300 << 11),), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(3))
+    expected = torch.cat([src[s:e] for s, e in [(0, 999), (4096 + 7 * 4096, 4096 + 300 * 4096),
+                                                ((8 << 20) + 7 * 2048, (8 << 20) + 300 * 2048)]])
 
     def copied() -> tuple[torch.Tensor, int]:
-        dst = torch.zeros(size, dtype=torch.uint8)
-        spans = [span_copy.address_of(dst) + 1, span_copy.address_of(src), size - 1]
-        return dst, span_copy.copy(spans, during=threading.get_ident)
+        dst = torch.zeros(expected.numel(), dtype=torch.uint8)
+        ran_on = span_copy.copy_rows(span_copy.address_of(dst), span_copy.address_of(src), 999, rows, 7, 300,
+                                     during=threading.get_ident)
+        return dst, ran_on
 
     for dst, ran_on in at_thread_counts(copied, (1, 2, 3)):
         assert ran_on == threading.get_ident()
-        assert torch.equal(dst[1:], src[:-1]) and dst[0] == 0
+        assert torch.equal(dst, expected)
 
 
 def test_an_exception_in_during_is_raised_after_the_copy_is_whole():
@@ -69,14 +91,24 @@ def test_an_exception_in_during_is_raised_after_the_copy_is_whole():
         raise RuntimeError("bookkeeping failed")
 
     with pytest.raises(RuntimeError, match="bookkeeping failed"):
-        span_copy.copy([span_copy.address_of(dst), span_copy.address_of(src), size], during=fails)
+        span_copy.copy_rows(span_copy.address_of(dst), span_copy.address_of(src), size, (), 0, 0, during=fails)
     assert bool(dst.all())
 
 
-def test_a_during_that_cannot_be_called_is_refused_before_any_byte_is_copied():
-    src, dst = torch.ones(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
-    with pytest.raises(TypeError, match="during must be callable"):
-        span_copy.copy([span_copy.address_of(dst), span_copy.address_of(src), 16], during=42)
+@pytest.mark.parametrize("fixed, rows, start, during, error, match", [
+    (4, _ROWS, 0, 42, TypeError, "during must be callable"),
+    (-1, _ROWS, 0, None, ValueError, "fixed must be"),
+    (4, [(0, 1)], 0, None, TypeError, "rows must be a tuple"),          # a list
+    (4, ((0, 1, 2),), 0, None, TypeError, "rows must be a tuple"),      # not pairs
+    (4, ((0, -1),), 0, None, ValueError, "a row size must be"),
+    (4, (("0", 1),), 0, None, ValueError, "a row offset must be"),      # not ints
+    (4, _ROWS, -2, None, ValueError, "start must be"),
+])
+def test_malformed_rows_are_refused_before_any_byte_is_copied(fixed, rows, start, during, error, match):
+    src, dst = torch.ones(3000, dtype=torch.uint8), torch.zeros(3000, dtype=torch.uint8)
+    with pytest.raises(error, match=match):
+        span_copy.copy_rows(span_copy.address_of(dst), span_copy.address_of(src), fixed, rows, start, 5,
+                            during=during)
     assert not dst.any()
 
 
@@ -182,16 +214,16 @@ def test_a_snapshot_interrupted_as_its_copy_returns_is_hashed_and_drops_whole(mo
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
     engine.prefill([1, 2, 3])
     used = engine.capsules.used_bytes("device")
-    real = span_copy.copy
+    real = span_copy.copy_rows
 
-    def interrupted(spans, during=None):
-        real(spans, during=during)
+    def interrupted(*args, during=None):
+        real(*args, during=during)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store_module.span_copy, "copy", interrupted)
+    monkeypatch.setattr(store_module.span_copy, "copy_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.snapshot(name="cut")
-    monkeypatch.setattr(store_module.span_copy, "copy", real)
+    monkeypatch.setattr(store_module.span_copy, "copy_rows", real)
     assert engine.capsules.get("cut").digest == engine.state_digest()
     engine.capsules.drop("cut")
     assert engine.capsules.used_bytes("device") == used
@@ -210,6 +242,23 @@ def test_a_snapshot_whose_bookkeeping_fails_keeps_no_bytes(monkeypatch):
     monkeypatch.setattr(store, "_new_id", no_id)
     with pytest.raises(RuntimeError, match="no id"):
         engine.snapshot()
+    assert store.used_bytes("device") == used and store.pool.largest_free() == largest and store.list() == []
+    engine.close()
+
+
+def test_a_chunk_placed_elsewhere_than_the_copy_went_is_never_registered(monkeypatch):
+    """The copy starts where first fit will place the chunk, before it is allocated: should the
+    pool place it anywhere else, the snapshot fails and keeps nothing, rather than register a
+    chunk that does not hold its bytes."""
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.prefill([1, 2, 3])
+    store = engine.capsules
+    used, largest = store.used_bytes("device"), store.pool.largest_free()
+    elsewhere = torch.zeros(store.layout.ranges_bytes(3), dtype=torch.uint8)
+    monkeypatch.setattr(store.pool, "address_for", lambda nbytes: span_copy.address_of(elsewhere))
+    with pytest.raises(RuntimeError, match="not 0x"):
+        engine.snapshot()
+    assert torch.equal(elsewhere, torch.cat([engine.arena.buffer[s:e] for s, e in store.layout.ranges(3)]))
     assert store.used_bytes("device") == used and store.pool.largest_free() == largest and store.list() == []
     engine.close()
 

@@ -99,6 +99,15 @@ class DevicePool:
                 return Chunk("device", self.buffer, offset, nbytes, self._address)
         return None
 
+    def address_for(self, nbytes: int) -> int:
+        """Where ``allocate(nbytes)`` would place its chunk if called now, in CPU memory; 0 when
+        nothing fits or the pool is not in CPU memory. Nothing is allocated."""
+        size = self.footprint(nbytes)
+        for offset, free in self._free:
+            if free >= size:
+                return self._address + offset if self._address else 0
+        return 0
+
     def release(self, chunk: Chunk) -> None:
         size = self.footprint(chunk.nbytes)
         i = bisect.bisect(self._free, (chunk.offset, size))

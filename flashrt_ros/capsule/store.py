@@ -120,16 +120,21 @@ class RestorePlan:
         else:
             self.fixed, self.fixed_owner = torch.cat([p.view() for p in fixed]), None
 
-    def run(self) -> None:
+    def run(self, during: Callable[[], None] | None = None) -> None:
+        """``during``: called while the bytes copy on a CPU (see ``span_copy.copy``), else after
+        the copies are queued; either way before this returns."""
         if self.spans is not None:
-            self.spans()
-        elif self.same_device:
+            self.spans(during)
+            return
+        if self.same_device:
             # One dispatch for every piece: on small states the per-copy Python cost is
             # what separates a restore from a plain copy of the same bytes.
             torch._foreach_copy_(self.arena, self.capsule, non_blocking=True)
         else:
             for dst, src in zip(self.arena, self.capsule):
                 dst.copy_(src, non_blocking=True)
+        if during is not None:
+            during()
 
 
 def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
@@ -303,35 +308,47 @@ class CapsuleStore:
                 for r in self.layout.regions:
                     if r.per_token and start:
                         shared += base[0].pieces_in(r.offset, r.offset + start * r.row_bytes)
-            ranges = self.layout.ranges(position, start)
             # Checked before anything is allocated: a refused buffer must leave no chunk behind.
             at = self._address_of(buffer) if self._local[tier] and self._span_copy else 0
-            try:
-                # Room is made without spilling the base: that would free the very rows shared here.
-                chunk = self._allocate(tier, self.layout.ranges_bytes(position, start),
-                                       spare=base[0] if shared else None)
-            except BudgetExceeded:
-                if not shared:
-                    raise
-                shared, ranges = [], self.layout.ranges(position)   # copy it all; the base may go
-                chunk = self._allocate(tier, self.layout.ranges_bytes(position))
-            need = chunk.nbytes
+            nbytes = self.layout.ranges_bytes(position, start)
+            # In a CPU pool, where first fit will place the chunk is known before it is made: the
+            # copy starts there at once, and the chunk is allocated while it runs (nothing else
+            # changes the pool meanwhile: every change takes this lock). From a cold cache the
+            # allocation took some 15 us before the copy could start (bench VM).
+            into = self.pool.address_for(nbytes) if at and tier == "device" else 0
+            chunk: Chunk | None = None
             record: Record | None = None
 
             def register(pieces: list[Piece] | None = None) -> None:
-                nonlocal record
-                pieces = _pieces_over(chunk, ranges) if pieces is None else pieces
+                nonlocal chunk, record
+                if chunk is None:
+                    chunk = self._allocate(tier, nbytes)
+                    if chunk.address != into:   # the bytes went elsewhere: never register them
+                        raise RuntimeError(f"capsule pool placed a chunk at {chunk.address:#x}, not {into:#x}")
+                if pieces is None:
+                    pieces = _pieces_over(chunk, self.layout.ranges(position, start))
                 kept = sorted(shared + pieces, key=lambda p: p.start) if shared else pieces
-                record = self._register(kept, position, name, tier, pin, parent, need, log_runs)
+                record = self._register(kept, position, name, tier, pin, parent, nbytes, log_runs)
 
             try:
-                if at:
-                    # The other threads copy while this one does the bookkeeping, the pieces
-                    # included (snapshot / copy at 1.6 MiB: 1.10-1.21, against 1.15-1.33 with the
-                    # bookkeeping after the copy and 1.22-1.29 with the pieces made before it;
-                    # bench VM, interleaved; no difference from 3.8 MiB, where the copy dwarfs it).
-                    span_copy.copy(_spans_into(chunk, ranges, at), during=register)
+                if not into:
+                    try:
+                        # Room is made without spilling the base: that would free the very rows shared here.
+                        chunk = self._allocate(tier, nbytes, spare=base[0] if shared else None)
+                    except BudgetExceeded:
+                        if not shared:
+                            raise
+                        shared, start = [], 0   # copy it all; the base may go
+                        nbytes = self.layout.ranges_bytes(position)
+                        chunk = self._allocate(tier, nbytes)
+                    into = chunk.address if at else 0
+                if into:
+                    # The other threads copy while this one does the bookkeeping, the allocation
+                    # included (see the README's Capsule copies for the figures).
+                    span_copy.copy_rows(into, at, self.layout.fixed_bytes, self.layout.rows, start, position,
+                                        during=register)
                 else:
+                    ranges = self.layout.ranges(position, start)
                     pieces = _pieces_over(chunk, ranges)
                     if self._local[tier]:
                         # One dispatch for every range (see RestorePlan.run); ``cat`` into the
@@ -343,7 +360,7 @@ class CapsuleStore:
                         chunk.copied_from(buffer.device)   # the digest thread reads these bytes on the CPU
                     register(pieces)
             except BaseException:
-                if record is None:   # nothing holds the chunk: a failed snapshot keeps no bytes
+                if record is None and chunk is not None:   # nothing holds it: a failed snapshot keeps no bytes
                     self._free(chunk)
                 raise
             finally:
@@ -414,7 +431,8 @@ class CapsuleStore:
             raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
 
     def write_back(self, record: Record, buffer: torch.Tensor, groups: Sequence[str] | None = None,
-                   keep_rows: int = 0) -> tuple[torch.Tensor, Chunk | None]:
+                   keep_rows: int = 0,
+                   during: Callable[[torch.Tensor, Chunk | None], None] | None = None) -> tuple[torch.Tensor, Chunk | None]:
         """Copy the capsule's bytes (only ``groups``, when given) into ``buffer``.
 
         ``keep_rows``: the per-token rows [0:keep_rows] of ``buffer`` hold this
@@ -426,6 +444,8 @@ class CapsuleStore:
         capsule's fixed-size block and the chunk it lives in (None if it belongs
         to nobody), so rollback can start from it without a copy; a
         ``before_free`` hook hears about the chunk before its memory is reused.
+        ``during``: called with those two while the bytes copy (on a CPU; see
+        ``RestorePlan.run``): the caller's own bookkeeping, hidden behind the copy.
         """
         with self._held:
             if groups is None and record.info.tier != "disk":
@@ -439,7 +459,7 @@ class CapsuleStore:
                 wanted = (self.layout.group_ranges(record.info.position, groups) if groups is not None
                           else self.layout.ranges(record.info.position, min(keep_rows, record.info.position)))
                 plan = RestorePlan(pieces, wanted, buffer, self.layout.fixed_bytes)
-            plan.run()
+            plan.run(None if during is None else lambda: during(plan.fixed, plan.fixed_owner))
             record.last_used = time.monotonic()
             return plan.fixed, plan.fixed_owner
 
@@ -762,17 +782,6 @@ def _chunks(pieces: list[Piece]) -> Iterable[Chunk]:
     for p in pieces:
         seen[p.chunk] = None
     return seen
-
-
-def _spans_into(chunk: Chunk, ranges: Sequence[tuple[int, int]], arena_address: int) -> list[int]:
-    """``_spans`` for copying the arena's ``ranges`` into the pieces ``_pieces_over`` lays out in
-    ``chunk``, made from the ranges alone: the pieces can then be made while the bytes copy."""
-    spans: list[int] = []
-    offset, base = 0, chunk.address
-    for s, e in ranges:
-        spans += (base + offset, arena_address + s, e - s)
-        offset += e - s
-    return spans
 
 
 def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]:

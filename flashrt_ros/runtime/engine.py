@@ -517,16 +517,25 @@ class Engine:
             if self._base is not None:
                 base, rows = self._base
                 keep = rows if base is record else self.capsules.shared_rows(record, base, min(rows, position))
+
+            def settle(fixed: torch.Tensor, owner: object) -> None:
+                self._position = position
+                self._lineage += 1
+                self._log = BoundaryLog(record.log)
+                self._ring.clear()
+                self._ring.borrow(fixed, position, owner)
+                self._base = (record, position)
+
+            if not verify:
+                # Settled while the bytes copy: nothing reads them before this returns, and the
+                # lock keeps every other caller out (restore / copy at 1.6 MiB: see the README).
+                self.capsules.write_back(record, self.arena.buffer, keep_rows=keep, during=settle)
+                return record.info
             fixed, owner = self.capsules.write_back(record, self.arena.buffer, keep_rows=keep)
-            if verify and self.arena.digest(position) != record.info.digest:
+            if self.arena.digest(position) != record.info.digest:
                 self.arena.buffer.copy_(backup)
                 raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
-            self._position = position
-            self._lineage += 1
-            self._log = BoundaryLog(record.log)
-            self._ring.clear()
-            self._ring.borrow(fixed, position, owner)
-            self._base = (record, position)
+            settle(fixed, owner)
             return record.info
 
     def _restore_groups(self, record, regions: Sequence[str], verify: bool) -> CapsuleInfo:
