@@ -7,9 +7,9 @@
  * batch, whatever the spans' sizes: in equal stretches of consecutive bytes, or, when the calling
  * thread first runs ``during`` (a capsule's bookkeeping) while the others already copy, in
  * BLOCK-sized blocks, the others claiming from the front and the calling thread, once it joins,
- * from the back, so that it takes what is left. The team is torch's (same runtime), whose threads still spin from the last parallel
- * region: a thread of our own, woken from sleep, joined so late on the bench VM that it copied
- * next to nothing.
+ * from the back, so that it takes what is left. The team is torch's (same runtime), whose
+ * threads still spin from the last parallel region: a thread of our own, woken from sleep,
+ * joined so late on the bench VM that it copied next to nothing.
  *
  * Stretches of STREAM bytes and more are written with non-temporal stores on x86, which skip
  * reading each destination line in first: from a cold cache, 1.6 MiB took 94 us this way and

@@ -176,7 +176,11 @@ static PyObject *span_copy_copy_rows(PyObject *self, PyObject *const *args, Py_s
     int64_t at = destination;
     if (fixed > 0) {
         spans[0] = at, spans[1] = source, spans[2] = fixed;
-        at += fixed, n = 1;
+        if (__builtin_add_overflow(at, fixed, &at)) {
+            PyErr_SetString(PyExc_OverflowError, "copy_rows: rows reach past 64-bit addresses");
+            goto failed;
+        }
+        n = 1;
     }
     for (Py_ssize_t i = 0; end > start && i < regions; i++) {
         PyObject *pair = PyTuple_GET_ITEM(rows, i);
@@ -188,8 +192,15 @@ static PyObject *span_copy_copy_rows(PyObject *self, PyObject *const *args, Py_s
         if (read_count(PyTuple_GET_ITEM(pair, 0), "a row offset", &offset) < 0
                 || read_count(PyTuple_GET_ITEM(pair, 1), "a row size", &row) < 0)
             goto failed;
-        spans[3 * n] = at, spans[3 * n + 1] = source + offset + start * row, spans[3 * n + 2] = (end - start) * row;
-        at += (end - start) * row, n++;
+        int64_t from, length;   /* no address a process has is near 2^63: overflow means bad arguments */
+        if (__builtin_mul_overflow(start, row, &from) || __builtin_add_overflow(from, offset, &from)
+                || __builtin_add_overflow(from, source, &from)
+                || __builtin_mul_overflow(end - start, row, &length) || __builtin_add_overflow(at, length, &at)) {
+            PyErr_SetString(PyExc_OverflowError, "copy_rows: rows reach past 64-bit addresses");
+            goto failed;
+        }
+        spans[3 * n] = at - length, spans[3 * n + 1] = from, spans[3 * n + 2] = length;
+        n++;
     }
     return copy_and_run(spans, stack, n, threads, call);
 failed:

@@ -1,8 +1,8 @@
 """The capsules' span copies (src/copy_spans.c, through the extension module of
 src/span_copy_module.c): the bytes of torch's slicing for any thread count, a layout's rows laid
 end to end, bookkeeping run during the copy, malformed spans and rows refused, addresses only of byte tensors,
-capsules that are the same bytes whichever copy made them, and snapshots that fail or are
-interrupted around the copy keeping nothing half done."""
+capsules that are the same bytes whichever copy made them, and snapshots and restores that fail
+or are interrupted around the copy leaving nothing half done."""
 from __future__ import annotations
 
 import os
@@ -103,6 +103,7 @@ def test_an_exception_in_during_is_raised_after_the_copy_is_whole():
     (4, ((0, -1),), 0, None, ValueError, "a row size must be"),
     (4, (("0", 1),), 0, None, ValueError, "a row offset must be"),      # not ints
     (4, _ROWS, -2, None, ValueError, "start must be"),
+    (4, ((0, 2 ** 62),), 0, None, OverflowError, "past 64-bit addresses"),   # 5 rows of 2^62 bytes
 ])
 def test_malformed_rows_are_refused_before_any_byte_is_copied(fixed, rows, start, during, error, match):
     src, dst = torch.ones(3000, dtype=torch.uint8), torch.zeros(3000, dtype=torch.uint8)
@@ -227,6 +228,38 @@ def test_a_snapshot_interrupted_as_its_copy_returns_is_hashed_and_drops_whole(mo
     assert engine.capsules.get("cut").digest == engine.state_digest()
     engine.capsules.drop("cut")
     assert engine.capsules.used_bytes("device") == used
+    engine.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_restore_interrupted_in_its_bookkeeping_leaves_the_next_restore_exact(native, monkeypatch):
+    """A Ctrl-C pressed during a restore's copy is raised in the bookkeeping that runs during
+    it: the arena already holds the new bytes, so the next restore must copy every row instead
+    of trusting those of the capsule the state last came from."""
+    from flashrt_ros.runtime import engine as engine_module
+
+    if not native:
+        monkeypatch.setattr(span_copy, "_MODULE", None)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.prefill(list(range(1, 9)))
+    engine.snapshot(name="s")
+    engine.generate(4)
+    engine.snapshot(name="b")
+    engine.restore("s")
+    engine.prefill([40, 41, 42, 43])       # another continuation of s
+    a = engine.snapshot(name="a")
+    real = engine_module.BoundaryLog
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_module, "BoundaryLog", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.restore("b")
+    monkeypatch.setattr(engine_module, "BoundaryLog", real)
+    engine.restore("a")
+    assert engine.state_digest() == engine.capsules.get(a.id).digest
+    assert engine.rollback(0) == a.position
     engine.close()
 
 

@@ -31,6 +31,8 @@ try:
     from .. import _span_copy as _MODULE
 except ImportError:   # not built (no C compiler at install): callers copy through torch
     _MODULE = None
+if not hasattr(_MODULE, "copy_rows"):   # a stale build from before it: torch copies, not failed snapshots
+    _MODULE = None
 
 
 def available() -> bool:

@@ -323,7 +323,9 @@ class CapsuleStore:
                 nonlocal chunk, record
                 if chunk is None:
                     chunk = self._allocate(tier, nbytes)
-                    if chunk.address != into:   # the bytes went elsewhere: never register them
+                    # A safety net for a bug: the bytes, already on their way to ``into``, cannot be
+                    # called back, but a chunk elsewhere is never registered as holding them.
+                    if chunk.address != into:
                         raise RuntimeError(f"capsule pool placed a chunk at {chunk.address:#x}, not {into:#x}")
                 if pieces is None:
                     pieces = _pieces_over(chunk, self.layout.ranges(position, start))

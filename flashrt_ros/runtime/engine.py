@@ -526,17 +526,28 @@ class Engine:
                 self._ring.borrow(fixed, position, owner)
                 self._base = (record, position)
 
-            if not verify:
-                # Settled while the bytes copy: nothing reads them before this returns, and the
-                # lock keeps every other caller out (restore / copy at 1.6 MiB: see the README).
-                self.capsules.write_back(record, self.arena.buffer, keep_rows=keep, during=settle)
+            # No base until settled: after a restore interrupted mid-copy (a Ctrl-C is raised in
+            # ``settle`` or as the copy returns) the live rows are no capsule's, and the next
+            # restore must not trust them and skip rows.
+            held_base, self._base = self._base, None
+            try:
+                if not verify:
+                    # Settled while the bytes copy: nothing reads them before this returns, and the
+                    # lock keeps every other caller out (restore / copy at 1.6 MiB: see the README).
+                    self.capsules.write_back(record, self.arena.buffer, keep_rows=keep, during=settle)
+                    return record.info
+                fixed, owner = self.capsules.write_back(record, self.arena.buffer, keep_rows=keep)
+                if self.arena.digest(position) != record.info.digest:
+                    self.arena.buffer.copy_(backup)
+                    raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
+                settle(fixed, owner)
                 return record.info
-            fixed, owner = self.capsules.write_back(record, self.arena.buffer, keep_rows=keep)
-            if self.arena.digest(position) != record.info.digest:
-                self.arena.buffer.copy_(backup)
-                raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
-            settle(fixed, owner)
-            return record.info
+            except CapsuleError:   # refused before the first byte changed, or put back (verify)
+                self._base = held_base
+                raise
+            except BaseException:
+                self._ring.clear()   # the boundaries kept for rollback may no longer match the arena
+                raise
 
     def _restore_groups(self, record, regions: Sequence[str], verify: bool) -> CapsuleInfo:
         groups = list(regions) if isinstance(regions, (list, tuple)) else None
