@@ -4,8 +4,9 @@
  * weights through it), and there the call itself costs: ctypes' argument conversion plus the
  * array.array the spans had to be packed into took 35-40 us more than this function, a quarter
  * of copying a 1.6 MiB state (bench VM, interleaved). Here the spans come as a list or tuple of
- * ints and are read straight into a C array, and a Python callable (the snapshot's bookkeeping)
- * can run on the calling thread while the other threads already copy.
+ * ints and are read straight into a C array (or built here from a layout's rows: copy_rows),
+ * and a Python callable (a capsule's bookkeeping) can run on the calling thread while the other
+ * threads already copy.
  *
  * The caller vouches for the addresses, as with any copy by address: see span_copy.py.
  */

@@ -14,8 +14,8 @@ snapshot's copy then takes less than torch's copy of the same bytes.
 It is a Python extension module, not a ctypes call like the package's other C
 code: from a cold cache ctypes' conversions and the packed array it needs took
 35-40 us more than this module's call (1.6 MiB copied in 95-123 us). Being
-one, it can also run Python while the copy goes on (``during``): a snapshot's
-bookkeeping then takes the time of the other threads' first blocks. Without
+one, it can also run Python while the copy goes on (``during``): a snapshot's or
+a restore's bookkeeping then takes the time of the other threads' first blocks. Without
 the module, or on a GPU, callers copy through torch.
 """
 from __future__ import annotations
