@@ -622,3 +622,21 @@ def test_a_chain_of_snapshots_holds_each_chunk_once_and_frees_them_all():
     for info in taken:
         engine.capsules.drop(info)
     assert engine.capsules.used_bytes("device") == 0
+
+
+def test_a_pool_allocation_interrupted_as_its_chunk_is_made_loses_no_space(monkeypatch):
+    """A snapshot allocates its chunk during its copy, where a Ctrl-C pressed meanwhile is raised:
+    raised as the chunk is made, the free space must be as it was."""
+    from flashrt_ros.capsule import memory
+
+    pool = memory.DevicePool(1 << 16, torch.device("cpu"))
+    before = list(pool._free)
+
+    class Interrupted(memory.Chunk):
+        def __init__(self, *args) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(memory, "Chunk", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.allocate(1000)
+    assert pool._free == before

@@ -92,11 +92,14 @@ class DevicePool:
         size = self.footprint(nbytes)
         for i, (offset, free) in enumerate(self._free):
             if free >= size:
+                # Made before the free list changes: a Ctrl-C raised as the call into Chunk begins
+                # (a snapshot allocates during its copy, where one pending is raised) loses no space.
+                chunk = Chunk("device", self.buffer, offset, nbytes, self._address)
                 if free == size:
                     del self._free[i]
                 else:
                     self._free[i] = (offset + size, free - size)
-                return Chunk("device", self.buffer, offset, nbytes, self._address)
+                return chunk
         return None
 
     def address_for(self, nbytes: int) -> int:
