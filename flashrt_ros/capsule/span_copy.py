@@ -51,28 +51,29 @@ def address_of(t: torch.Tensor, nbytes: int = 0) -> int:
     return t.data_ptr()
 
 
-def copy(spans: Sequence[int], during: Callable[[], T] | None = None) -> T | None:
+def copy(spans: Sequence[int]) -> None:
     """Copy flat (destination, source, length) triples, in one call.
-
-    ``during``: run on this thread while the others already copy (its result is returned, its
-    exception raised, once every byte is copied). On this 2-core bench VM a capsule's
-    bookkeeping so hid behind its copy: one thread alone copies nearly as fast as two.
 
     The caller vouches for the addresses: each span inside memory that stays alive
     for the call (addresses from ``address_of``, offsets checked against its size),
-    no two overlapping, and nothing ``during`` does writes or frees them. ``during`` runs
-    inside the copy's OpenMP region: torch's parallel loops run on one thread there, and
-    the other threads wait at its end. The copy lets go of the interpreter lock, as a torch
-    copy does.
+    no two overlapping. The copy lets go of the interpreter lock, as a torch copy does.
     """
-    return _MODULE.copy(spans, torch.get_num_threads(), during)
+    _MODULE.copy(spans, torch.get_num_threads())
 
 
 def copy_rows(destination: int, source: int, fixed: int, rows: tuple[tuple[int, int], ...], start: int,
               end: int, during: Callable[[], T] | None = None) -> T | None:
     """``copy`` of bytes [0, fixed) of ``source``, then rows [start, end) of each (offset, row
     bytes) region of ``rows``, laid end to end at ``destination``: a capsule's ranges
-    (``Layout.ranges``), with the spans built in C rather than in Python before the copy."""
+    (``Layout.ranges``), with the spans built in C rather than in Python before the copy.
+
+    ``during``: run on this thread while the others already copy (its result is returned, its
+    exception raised, once every byte is copied). On this 2-core bench VM a capsule's
+    bookkeeping so hid behind its copy: one thread alone copies nearly as fast as two.
+    The caller vouches that nothing ``during`` does writes or frees the memory copied. It
+    runs inside the copy's OpenMP region: torch's parallel loops run on one thread there,
+    and the other threads wait at its end.
+    """
     return _MODULE.copy_rows(destination, source, fixed, rows, start, end, torch.get_num_threads(), during)
 
 
@@ -86,4 +87,5 @@ class SpanCopy:
         self._spans, self._keep = tuple(spans), list(keep)
 
     def __call__(self, during: Callable[[], T] | None = None) -> T | None:
+        """``during`` as for ``copy_rows`` (a restore's bookkeeping)."""
         return _MODULE.copy(self._spans, torch.get_num_threads(), during)

@@ -108,7 +108,7 @@ class RestorePlan:
         if self.same_device and buffer.device.type == "cpu" and span_copy.available():
             # Pieces lie inside their chunks and arena ranges inside the buffer, by construction.
             at = span_copy.address_of(buffer, max(q.end for q in parts) if parts else 0)
-            self.spans = span_copy.SpanCopy(_spans(parts, at, into_arena=True), keep=[q.chunk for q in parts])
+            self.spans = span_copy.SpanCopy(_spans_into_arena(parts, at), keep=[q.chunk for q in parts])
             self.arena = self.capsule = []
         else:
             self.arena = [buffer[q.start:q.end] for q in parts]
@@ -121,7 +121,7 @@ class RestorePlan:
             self.fixed, self.fixed_owner = torch.cat([p.view() for p in fixed]), None
 
     def run(self, during: Callable[[], None] | None = None) -> None:
-        """``during``: called while the bytes copy on a CPU (see ``span_copy.copy``), else after
+        """``during``: called while the bytes copy on a CPU (see ``span_copy.copy_rows``), else after
         the copies are queued; either way before this returns."""
         if self.spans is not None:
             self.spans(during)
@@ -147,13 +147,13 @@ def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
     return out
 
 
-def _spans(pieces: list[Piece], arena_address: int, into_arena: bool) -> list[int]:
-    """Flat (destination, source, length) triples for ``span_copy`` between each piece's arena
-    bytes (the arena buffer at ``arena_address``) and its chunk's, in the direction asked."""
+def _spans_into_arena(pieces: list[Piece], arena_address: int) -> list[int]:
+    """Flat (destination, source, length) triples for ``span_copy`` from each piece's chunk
+    bytes to its arena bytes (the arena buffer at ``arena_address``): a restore's copies
+    (a snapshot's are built in C, ``span_copy.copy_rows``)."""
     out: list[int] = []
     for p in pieces:
-        arena, chunk = arena_address + p.start, p.chunk.address + p.offset
-        out += (arena, chunk, p.end - p.start) if into_arena else (chunk, arena, p.end - p.start)
+        out += (arena_address + p.start, p.chunk.address + p.offset, p.end - p.start)
     return out
 
 
