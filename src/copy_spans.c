@@ -72,6 +72,7 @@ static void copy_batch_bytes(const int64_t *spans, long n, int64_t first, int64_
 /* Small enough that a caller joining after ``during`` still finds blocks to take; large enough
  * that a claim (one atomic operation on a line every thread writes) is rare next to the copy. */
 #define BLOCK (64 * 1024)
+_Static_assert(FLASHRT_COPY_SPANS_MOST / BLOCK <= 0xffffffff, "a batch's block count must fit 32 bits");
 
 /* The blocks not yet claimed, [front, back), in one word so that both ends move atomically:
  * the team takes blocks from the front, the calling thread, once ``during`` returns, from the
@@ -104,7 +105,7 @@ void flashrt_copy_spans(const int64_t *spans, long n, int threads, void (*during
     int64_t total = 0;
     for (long i = 0; i < n; i++)
         total += spans[3 * i + 2];
-    const int64_t blocks = (total + BLOCK - 1) / BLOCK;   /* < 2^32: a batch is far under 256 TiB */
+    const int64_t blocks = (total + BLOCK - 1) / BLOCK;   /* < 2^32: see FLASHRT_COPY_SPANS_MOST */
     atomic_uint_fast64_t left;
     atomic_init(&left, (uint_fast64_t)blocks << 32);
     if (during != NULL && threads > blocks + 1)   /* more would find nothing to do; thread 0 is busy */

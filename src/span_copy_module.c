@@ -20,6 +20,21 @@
 /* A snapshot has a handful of spans: their triples fit here, with no allocation. */
 #define ON_STACK 96
 
+/* An int that is not a bool: True would pass as the address or length 1. */
+#define IS_INT(value) (PyLong_Check(value) && !PyBool_Check(value))
+
+/* Past FLASHRT_COPY_SPANS_MOST bytes the copy's block count would not fit its claim word; no
+ * real batch comes near (256 TiB), but lengths summing past 2^63 would be undefined in C. */
+static int check_total(const int64_t *spans, Py_ssize_t n) {
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (__builtin_add_overflow(total, spans[3 * i + 2], &total) || total > FLASHRT_COPY_SPANS_MOST) {
+            PyErr_SetString(PyExc_OverflowError, "spans add up to more bytes than one copy takes (256 TiB)");
+            return -1;
+        }
+    return 0;
+}
+
 /* Reads ``seq`` into ``spans`` (``stack`` when it fits, else allocated: the caller frees what is not
  * ``stack``). Exactly a list or tuple of ints: reading those runs no Python code (an __index__ could
  * resize the list under the loop). Returns the number of triples, or -1 with an exception set. */
@@ -40,7 +55,7 @@ static Py_ssize_t read_spans(PyObject *seq, int64_t *stack, int64_t **spans) {
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (!PyLong_Check(items[i])) {
+        if (!IS_INT(items[i])) {
             PyErr_SetString(PyExc_TypeError, "spans must be a list or tuple of ints");
             goto failed;
         }
@@ -52,6 +67,8 @@ static Py_ssize_t read_spans(PyObject *seq, int64_t *stack, int64_t **spans) {
             goto failed;
         }
     }
+    if (check_total(out, count / 3) < 0)
+        goto failed;
     *spans = out;
     return count / 3;
 failed:
@@ -133,7 +150,7 @@ static PyObject *span_copy_copy(PyObject *self, PyObject *const *args, Py_ssize_
 }
 
 static int read_count(PyObject *value, const char *what, int64_t *out) {
-    *out = PyLong_Check(value) ? PyLong_AsLongLong(value) : -1;
+    *out = IS_INT(value) ? PyLong_AsLongLong(value) : -1;
     if (*out == -1 && PyErr_Occurred())
         return -1;
     if (*out < 0) {
@@ -203,6 +220,8 @@ static PyObject *span_copy_copy_rows(PyObject *self, PyObject *const *args, Py_s
         spans[3 * n] = at - length, spans[3 * n + 1] = from, spans[3 * n + 2] = length;
         n++;
     }
+    if (check_total(spans, n) < 0)
+        goto failed;
     return copy_and_run(spans, stack, n, threads, call);
 failed:
     if (spans != stack)

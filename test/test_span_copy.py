@@ -104,6 +104,8 @@ def test_an_exception_in_during_is_raised_after_the_copy_is_whole():
     (4, (("0", 1),), 0, None, ValueError, "a row offset must be"),      # not ints
     (4, _ROWS, -2, None, ValueError, "start must be"),
     (4, ((0, 2 ** 62),), 0, None, OverflowError, "past 64-bit addresses"),   # 5 rows of 2^62 bytes
+    (4, ((0, 2 ** 46),), 0, None, OverflowError, "more bytes than one copy"),  # 5 x 64 TiB
+    (True, _ROWS, 0, None, ValueError, "fixed must be"),                # a bool is no size
 ])
 def test_malformed_rows_are_refused_before_any_byte_is_copied(fixed, rows, start, during, error, match):
     src, dst = torch.ones(3000, dtype=torch.uint8), torch.zeros(3000, dtype=torch.uint8)
@@ -145,6 +147,9 @@ class _Resizes:
     ([1, 2, -3], ValueError),              # a negative length
     ([1, 2, "3"], TypeError),              # not ints
     ([1, 2, 2 ** 70], OverflowError),      # past 64 bits
+    ([1, 2, 2 ** 62, 3, 4, 2 ** 62], OverflowError),   # lengths that add up past 2^63
+    ([1, 2, 2 ** 48], OverflowError),      # more blocks than the copy counts
+    ([1, 2, True], TypeError),             # a bool is no length
     ([1, 2, _Resizes()], TypeError),       # an __index__ could resize the list under the call
     (7, TypeError),                        # not a sequence
     (b"abc", TypeError),                   # iterable, but bytes are not spans
