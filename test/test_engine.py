@@ -124,7 +124,10 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(case):
     ({"budgets": 5}, "budgets must be a dict"),
     ({"budgets": {"device": True}}, "budget for device must be an int"),
     ({"budgets": {"host": False}}, "budget for host must be an int"),
-    ({"capsule_dir": 5}, "capsule_dir must be a path"),
+    ({"capsule_dir": 5}, "capsule_dir must be a non-empty path"),
+    ({"capsule_dir": ""}, "capsule_dir must be a non-empty path"),   # a Path would read it as "."
+    ({"capsule_dir": "caps\0ules"}, "without NUL bytes"),
+    ({"capsule_dir": b"capsules"}, "capsule_dir must be a non-empty path"),
     ({"device": "gpu"}, "device must be"),
     ({"device": None}, "device must be"),
     ({"device": "meta"}, "runs on 'cpu' or 'cuda'"),

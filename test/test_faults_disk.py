@@ -209,3 +209,33 @@ def test_the_node_answers_io_error_on_a_full_disk_and_keeps_serving(tmp_path, mo
         h.close()
         context.try_shutdown()
     print("FAULT disk full via the node service | tried 1 | handled 1 | lost 0")
+
+
+@pytest.mark.parametrize("how", ["snapshot", "spill"])
+def test_a_write_that_fails_after_its_rename_leaves_no_capsule_to_come_back(tmp_path, monkeypatch, how):
+    """The folder's fsync fails once the file has its final name: the capsule counts as not
+    written (a spilled one stays in its tier and may be dropped), so no restart may find it."""
+    import errno
+
+    from flashrt_ros.capsule import CapsuleError, diskformat
+
+    def failing_sync(folder):
+        raise OSError(errno.EIO, "Input/output error")
+
+    # Room for one host capsule of this tiny model (about 62 KB): a second one spills the first to disk.
+    budgets = {"host": 100_000, "disk": 1 << 30}
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=tmp_path, budgets=budgets)
+    engine.prefill([1, 2, 3])
+    first = engine.snapshot("h1", tier="host") if how == "spill" else None
+    engine.prefill([4])
+    monkeypatch.setattr(diskformat, "_sync_folder", failing_sync)
+    before = engine.state_digest()
+    with pytest.raises(CapsuleError) as refused:
+        engine.snapshot("h2" if how == "spill" else "d1", tier="host" if how == "spill" else "disk")
+    assert refused.value.code == 8 and engine.state_digest() == before
+    assert not list(tmp_path.glob(f"*{diskformat.SUFFIX}")), "a capsule file the engine does not count"
+    monkeypatch.undo()
+    if first is not None:
+        engine.capsules.drop(first.id)
+    engine.close()
+    assert Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=tmp_path).capsules.list() == []

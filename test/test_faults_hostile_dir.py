@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from flashrt_ros.capsule import CapsuleError, diskformat
+from flashrt_ros.capsule import CapsuleError, disk_capsules, diskformat
 from flashrt_ros.errors import ErrorCode
 from flashrt_ros.runtime import Engine, ModelConfig
 
@@ -44,7 +44,7 @@ def test_a_header_nested_past_any_depth_is_skipped(tmp_path, caplog):
     header = diskformat.read_header(path)
     data = diskformat.read_data(path, header)
     from safetensors.torch import save_file
-    save_file({"state": data}, str(path), metadata={"flashrt_capsule": "[" * 100_000 + "]" * 100_000})
+    save_file({"state": data}, str(path), metadata={"flashrt_capsule": "[" * 5_000 + "]" * 5_000})
     assert _engine(tmp_path).capsules.list() == []
     assert "malformed capsule header (RecursionError)" in caplog.text
 
@@ -102,3 +102,89 @@ def test_a_drop_whose_file_cannot_go_fails_and_keeps_the_capsule(tmp_path):
     moved.rename(folder)
     engine.capsules.drop(kept.id)
     assert engine.capsules.list() == [] and not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("pid", ["99999999999999999999", "4294967296", "\u00b2", "0"])
+def test_temp_files_with_pids_no_process_has_are_left_alone_and_the_engine_starts(tmp_path, pid):
+    odd = tmp_path / f".{'d' * 16}{diskformat.SUFFIX}.{pid}.tmp"   # "²" is a digit to isdigit(), not to int()
+    odd.write_bytes(b"debris?")
+    engine = _engine(tmp_path)
+    assert engine.capsules.list() == [] and odd.exists()
+
+
+def test_stale_temp_files_that_cannot_be_removed_do_not_stop_the_start(tmp_path, monkeypatch, caplog):
+    import errno
+    import pathlib
+
+    engine = _engine(tmp_path)
+    engine.prefill([1, 2, 3])
+    kept = engine.snapshot("kept", tier="disk")
+    engine.close()
+    stale = tmp_path / f".{kept.id}{diskformat.SUFFIX}.{2 ** 31 - 1}.tmp"   # no process has that pid
+    stale.write_bytes(b"an interrupted write")
+    real_unlink = pathlib.Path.unlink
+
+    def read_only(path, missing_ok=False):   # a read-only folder (chmod would not stop root)
+        if path.name.endswith(".tmp"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    assert [c.id for c in _engine(tmp_path).capsules.list()] == [kept.id]
+    assert "cannot remove" in caplog.text and stale.exists()
+
+
+def _one_disk_capsule(folder):
+    engine = _engine(folder)
+    engine.prefill([1, 2, 3])
+    info = engine.snapshot("one", tier="disk")
+    engine.close()
+    return diskformat.path_for(folder, info.id)
+
+
+def test_a_file_larger_than_this_engines_capsules_is_skipped_before_it_is_mapped(tmp_path, caplog):
+    path = _one_disk_capsule(tmp_path)
+    os.truncate(path, 2 ** 40)   # sparse: no disk space, but mapping it would ask for 1 TiB
+    assert _engine(tmp_path).capsules.list() == []
+    assert "more than a capsule of this engine's takes" in caplog.text
+
+
+def test_a_header_longer_than_this_engines_capsules_write_is_skipped(tmp_path, caplog):
+    longest = disk_capsules.most_header_chars(_engine(None).capsules.layout)   # the same layout, no folder
+    path = _one_disk_capsule(tmp_path)
+    _reseal(path, padding="x" * longest)   # parsed, a long header takes many times its size
+    assert _engine(tmp_path).capsules.list() == []
+    assert "more than this engine's capsules write" in caplog.text
+
+
+@pytest.mark.parametrize("field", ["position", "nbytes"])
+def test_a_resealed_bool_count_is_skipped(tmp_path, field, caplog):
+    path = _one_disk_capsule(tmp_path)
+    _reseal(path, **{field: True})   # isinstance(True, int) holds
+    assert _engine(tmp_path).capsules.list() == []
+    assert f"field '{field}' has the wrong type" in caplog.text
+
+
+def test_a_capsule_file_swapped_for_a_fifo_after_start_is_refused_without_blocking(tmp_path):
+    import subprocess
+    import time
+
+    path = _one_disk_capsule(tmp_path)
+    engine = _engine(tmp_path)
+    (capsule,) = engine.capsules.list()
+    engine.prefill([4, 5])
+    before = engine.state_digest()
+    path.unlink()
+    os.mkfifo(path)
+    # Were the FIFO opened, the open would wait for a writer, holding the interpreter lock:
+    # this one comes after 20 s, so that a regression fails the test rather than hanging it.
+    writer = subprocess.Popen(["sh", "-c", f"sleep 20; : > '{path}'"])
+    try:
+        started = time.monotonic()
+        with pytest.raises(CapsuleError, match="not a regular file") as info:
+            engine.restore(capsule.id)
+        assert time.monotonic() - started < 10
+    finally:
+        writer.kill()
+        writer.wait()
+    assert info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == before

@@ -23,9 +23,7 @@ def load(path: Path, layout: Layout, kinds: frozenset[str],
          check_compatible: Callable[[CapsuleInfo], None]) -> tuple[CapsuleInfo, tuple]:
     """The info and boundary log of the capsule file at ``path``, its bytes verified.
     CorruptCapsule, FingerprintMismatch or CapsuleIOError if it is not one of this engine's."""
-    if not diskformat.is_plain_file(path):
-        raise CorruptCapsule(f"{path.name}: not a regular file")
-    header = diskformat.read_header(path)
+    header = _header(path, layout)
     info = info_from_header(header, layout.table)
     # What the file holds, whatever the header's own count says.
     info = info._replace(nbytes=sum(e - s for s, e in header["ranges"]))
@@ -44,23 +42,42 @@ def verified_bytes(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layou
                    kinds: frozenset[str]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The file's bytes and the arena ranges they fill, read afresh and checked against the
     capsule it must still describe: ``info`` and ``log_runs`` are what the store holds."""
-    header = diskformat.read_header(path)
+    header = _header(path, layout)
     if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
             [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} no longer describes this capsule")
     if log_from_header(header, info.position, kinds) != log_runs:   # what a rollback replays
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} has another boundary log")
-    data = diskformat.read_data(path, header)
     ranges = [tuple(r) for r in header["ranges"]]
     if merged(ranges) != layout.ranges(info.position):   # what a restore would write, exactly
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} holds other arena ranges "
                              f"than a capsule at position {info.position}")
+    data = diskformat.read_data(path, header)   # its size now known to be the ranges' own
     read = range_reader(ranges, data)
     if state_digest(layout.regions, info.position, read) != info.digest:
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} does not match its digest")
     if history_digest(layout.regions, info.position, read) != info.history_hash:
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} does not match its history hash")
     return data, ranges
+
+
+def _header(path: Path, layout: Layout) -> dict:
+    """The file's header, read only from a regular file no larger than this layout's capsules
+    make. Checked on every read, not only at start: a file swapped for a FIFO after it was
+    loaded would block the reader (and every thread, as safetensors keeps the interpreter
+    lock while it opens). A swap between this check and the open is not caught."""
+    if not diskformat.is_plain_file(path):
+        raise CorruptCapsule(f"{path.name}: not a regular file")
+    most_header = most_header_chars(layout)
+    # The data, and the header twice over (safetensors escapes it inside its own JSON).
+    return diskformat.read_header(path, layout.nbytes + 2 * most_header + 4096, most_header)
+
+
+def most_header_chars(layout: Layout) -> int:
+    """A bound on the header a capsule of ``layout`` is written with: the info, an entry of the
+    region table per region, a run of the boundary log per position at most (each far under
+    the room given here)."""
+    return 4096 + 512 * len(layout.regions) + 64 * (layout.max_position + 1)
 
 
 def merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -132,7 +149,7 @@ def info_from_header(header: dict, table: tuple[dict, ...]) -> CapsuleInfo:
         fields = {k: header[k] for k in _INFO_KEYS}
         types = {"position": int, "nbytes": int, "pinned": bool, "created": (int, float)}
         for key, value in fields.items():
-            if not isinstance(value, types.get(key, str)):
+            if not isinstance(value, types.get(key, str)) or (key in ("position", "nbytes") and isinstance(value, bool)):
                 raise CorruptCapsule(f"capsule header field {key!r} has the wrong type")
         if fields["position"] < 0:
             raise CorruptCapsule("capsule header has a negative position")

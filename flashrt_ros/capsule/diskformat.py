@@ -47,6 +47,7 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
     # The writer's pid in the name: an engine starting on the same folder removes only the
     # debris of writers that are gone, never a file another engine is writing.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    placed = False
     try:
         data = data.contiguous()
         full = {"version": VERSION, **header, "data_digest": _data_digest(data)}
@@ -55,12 +56,16 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        placed = True
         _sync_folder(path.parent)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # the folder itself is gone or is not a folder: nothing was left there
-            pass
+        # A failure after the rename leaves the file under its final name: the caller counts
+        # the capsule as not written (it may drop it), so a restart must not find it there.
+        for leftover in (path, tmp) if placed else (tmp,):
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:  # the folder itself is gone or is not a folder: nothing was left there
+                pass
         raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
@@ -88,7 +93,8 @@ def stale_temp_files(folder: Path) -> list[Path]:
     stale = []
     for tmp in folder.glob(f".*{SUFFIX}.*.tmp"):
         pid = tmp.name[:-len(".tmp")].rpartition(".")[2]
-        if not pid.isdigit() or not is_plain_file(tmp):
+        # ASCII digits of a pid os.kill takes: isdigit() alone passes "²", which int() refuses.
+        if not (pid.isascii() and pid.isdecimal() and 0 < int(pid) < 2 ** 31) or not is_plain_file(tmp):
             continue
         if int(pid) == os.getpid() or _alive(int(pid)):
             continue   # being written, by this process or by another one still running
@@ -115,26 +121,38 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_header(path: Path) -> dict:
-    """The JSON header, checked for shape; raises CorruptCapsule or CapsuleIOError."""
+def read_header(path: Path, most_bytes: int | None = None, most_header: int | None = None) -> dict:
+    """The JSON header, checked for shape; raises CorruptCapsule or CapsuleIOError.
+
+    ``most_bytes``: the largest file this reader's capsules make, checked before the file is
+    opened (safetensors maps it whole: a huge sparse file would take memory, or fail to map).
+    ``most_header``: the longest header they write (parsed JSON takes some 20 times its text)."""
     try:
+        size = path.stat().st_size
+        if most_bytes is not None and size > most_bytes:
+            raise CorruptCapsule(f"{path.name}: {size} bytes, more than a capsule of this engine's takes "
+                                 f"({most_bytes})")
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if list(f.keys()) != ["state"]:
                 raise CorruptCapsule(f"{path.name}: expected one tensor 'state', found {list(f.keys())[:4]}")
             shape = f.get_slice("state").get_shape()
             dtype = f.get_slice("state").get_dtype()
-    except SafetensorError as exc:
-        raise CorruptCapsule(f"{path.name}: not a readable safetensors file ({exc})") from None
+    except (SafetensorError, RuntimeError) as exc:   # RuntimeError: torch could not map the file
+        raise CorruptCapsule(f"{path.name}: not a readable safetensors file ({str(exc)[:200]})") from None
     except OSError as exc:
         raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    text = meta.get(_KEY, "")
+    if most_header is not None and len(text) > most_header:
+        raise CorruptCapsule(f"{path.name}: a capsule header of {len(text)} characters, more than this "
+                             f"engine's capsules write ({most_header})")
     try:
-        header = json.loads(meta[_KEY])
+        header = json.loads(text)
         if not isinstance(header, dict) or header.get("version") != VERSION:
             raise CorruptCapsule(f"{path.name}: unsupported capsule header version "
                                  f"{header.get('version') if isinstance(header, dict) else None!r}")
         sealed = header.get("header_digest") == _header_digest(header)
-    except (KeyError, ValueError, RecursionError) as exc:   # RecursionError: JSON nested past any header's depth
+    except (ValueError, RecursionError) as exc:   # RecursionError: JSON nested past any header's depth
         raise CorruptCapsule(f"{path.name}: missing or malformed capsule header ({type(exc).__name__})") from None
     if not sealed:
         raise CorruptCapsule(f"{path.name}: capsule header does not match its header digest")
@@ -156,7 +174,7 @@ def read_data(path: Path, header: dict) -> torch.Tensor:
         if _data_digest(data) != header.get("data_digest"):
             raise CorruptCapsule(f"{path.name}: stored bytes do not match their data digest")
         return data
-    except SafetensorError as exc:
-        raise CorruptCapsule(f"{path.name}: unreadable capsule data ({exc})") from None
+    except (SafetensorError, RuntimeError) as exc:
+        raise CorruptCapsule(f"{path.name}: unreadable capsule data ({str(exc)[:200]})") from None
     except OSError as exc:
         raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None

@@ -743,11 +743,15 @@ class CapsuleStore:
         folder = self.dir
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            for stale in diskformat.stale_temp_files(folder):
-                stale.unlink(missing_ok=True)   # debris of an interrupted write: never a capsule
+            stale_files = diskformat.stale_temp_files(folder)
             files = sorted(folder.glob(f"*{diskformat.SUFFIX}"))
         except OSError as exc:
             raise CapsuleIOError(f"capsule_dir {folder}: {exc.strerror or exc}") from None
+        for stale in stale_files:   # debris of an interrupted write: never a capsule
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError as exc:   # a read-only folder still serves its capsules
+                log.warning("cannot remove %s, left by an interrupted write: %s", stale.name, exc.strerror or exc)
         loaded = []
         for path in files:
             try:

@@ -87,8 +87,12 @@ class Engine:
                 raise InvalidArgument(f"{key} must be an int >= {least}, got {opts[key]!r}")
         if opts["budgets"] is not None and not isinstance(opts["budgets"], dict):
             raise InvalidArgument(f"budgets must be a dict of bytes per tier, got {opts['budgets']!r:.60}")
-        if opts["capsule_dir"] is not None and not isinstance(opts["capsule_dir"], (str, os.PathLike)):
-            raise InvalidArgument(f"capsule_dir must be a path, got {opts['capsule_dir']!r:.60}")
+        folder = opts["capsule_dir"]
+        text = os.fspath(folder) if isinstance(folder, (str, os.PathLike)) else None
+        if folder is not None and (not isinstance(text, str) or not text or "\0" in text):
+            # "" would read as the working directory to a Path and as no disk tier to the store.
+            raise InvalidArgument(f"capsule_dir must be a non-empty path without NUL bytes (None: no disk tier), "
+                                  f"got {folder!r:.60}")
         for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill", "prefill_blocked", "decode_native"):
             if not isinstance(opts[key], bool):   # bool("false") is True
                 raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
