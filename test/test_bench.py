@@ -43,3 +43,24 @@ def test_rounds_and_lengths_must_be_positive():
 def test_results_say_which_code_made_them():
     version = code_version()
     assert version == "unknown" or len(version.removesuffix("+dirty")) == 40
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the run without a GPU")
+def test_the_gpu_check_without_a_gpu_says_nothing_was_checked_and_does_not_pass(capsys):
+    """Run on a machine without CUDA (the wrong interpreter on a GPU machine, say), the check
+    must not exit 0: a scarce GPU session would read it as a pass."""
+    from flashrt_ros.bench import gpu_check
+
+    assert gpu_check.main() == 2
+    assert "nothing was checked" in capsys.readouterr().out
+
+
+def test_a_failing_gpu_check_section_reports_and_lets_the_next_run(capsys):
+    from flashrt_ros.bench import gpu_check
+
+    def broken() -> bool:
+        raise RuntimeError("a kernel failed")
+
+    assert gpu_check._section("broken", broken) is False and gpu_check._section("fine", lambda: True) is True
+    out = capsys.readouterr()
+    assert "broken: FAIL" in out.out and "fine: PASS" in out.out and "a kernel failed" in out.err

@@ -77,6 +77,21 @@ def test_a_restore_of_bad_regions_is_refused_and_changes_nothing(regions):
     assert info.value.code == ErrorCode.INVALID_ARGUMENT and engine.state_digest() == before
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_restore_of_groups_with_no_live_bytes_copies_nothing_and_succeeds(native, monkeypatch):
+    """A capsule at position 0 holds no KV rows: restoring its ["kv"] has nothing to copy (torch's
+    batched copy, the path every GPU takes, refuses an empty list)."""
+    from flashrt_ros.capsule import span_copy
+
+    if not native:
+        monkeypatch.setattr(span_copy, "_MODULE", None)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    empty = engine.snapshot()
+    engine.prefill([1, 2, 3])
+    assert engine.restore(empty.id, regions=["kv"]).position == 0 and engine.position == 0
+    assert len(engine.generate(2)) == 2
+
+
 @pytest.mark.parametrize("budgets, words", [({1: 10, "x": 10}, "unknown tiers"),
                                             ({"device": 2 ** 62}, "cannot be allocated")])
 def test_budgets_that_cannot_be_are_refused_at_construction(budgets, words):

@@ -129,7 +129,8 @@ class RestorePlan:
         if self.same_device:
             # One dispatch for every piece: on small states the per-copy Python cost is
             # what separates a restore from a plain copy of the same bytes.
-            torch._foreach_copy_(self.arena, self.capsule, non_blocking=True)
+            if self.arena:   # none for groups with no live bytes; torch refuses an empty list
+                torch._foreach_copy_(self.arena, self.capsule, non_blocking=True)
         else:
             for dst, src in zip(self.arena, self.capsule):
                 dst.copy_(src, non_blocking=True)
@@ -359,7 +360,9 @@ class CapsuleStore:
                     else:
                         for p in pieces:
                             p.view().copy_(buffer[p.start:p.end], non_blocking=True)
-                        chunk.copied_from(buffer.device)   # the digest thread reads these bytes on the CPU
+                    # The digest thread reads these bytes on the CPU, from its own stream: on a GPU
+                    # it waits for this one's copies (a caller's stream need not be the default one).
+                    chunk.copied_from(buffer.device)
                     register(pieces)
             except BaseException:
                 if record is None and chunk is not None:   # nothing holds it: a failed snapshot keeps no bytes

@@ -11,7 +11,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -170,21 +170,23 @@ class Engine:
         # the same tokens, other roundings, so a replay must know which.
         self.fixed_shapes = self.cuda_graphs or bool(opts["static_shapes"])
         self._obs_in = self._action_out = None
+        def step(fn: Callable[[], None]) -> Step:
+            # Warm-up runs advance the device position counter: rewound, they write row 0 only,
+            # whatever max_seq_len is (an index past the cache is a device-side assert on CUDA).
+            return Step(fn, capture=self.cuda_graphs, device=self.device, rewind=self.model.position.zero_)
+
         with torch.inference_mode():
-            self._token_step = Step(
-                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes)),
-                capture=self.cuda_graphs)
-            self._sample_step = Step(
-                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes), sampled=True),
-                capture=self.cuda_graphs)
+            self._token_step = step(
+                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes)))
+            self._sample_step = step(
+                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes), sampled=True))
             self._policy_step = None
             if cfg.policy:
                 self._obs_in = torch.zeros(cfg.obs_dim, device=self.device)
                 self._action_out = torch.zeros(cfg.action_dim, device=self.device)
-                self._policy_step = Step(
+                self._policy_step = step(
                     lambda: self.model.policy_step(self._obs_in, self._action_out,
-                                                   self.model.decode_span(self._position, self.fixed_shapes)),
-                    capture=self.cuda_graphs)
+                                                   self.model.decode_span(self._position, self.fixed_shapes)))
             self.arena.buffer.zero_()
             self._ring.push(self.arena.buffer, 0)
         if self.cuda_graphs:
