@@ -316,3 +316,19 @@ def test_ids_differ_in_a_forked_child(tmp_path):
             os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(read, 64).decode() != engine.capsules._new_id()
+
+
+def test_the_gpu_hosts_path_of_a_host_capsule_gives_the_same_bytes(monkeypatch):
+    """On a GPU a host capsule is copied piece by piece without blocking, marked for the digest
+    thread to wait on, and restored through torch: that path, run here on the CPU."""
+    monkeypatch.setattr(span_copy, "_MODULE", None)
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.capsules._local["host"] = False
+    engine.prefill(list(range(1, 20)))
+    live = engine.state_digest()
+    host = engine.snapshot(tier="host")
+    engine.generate(5)
+    assert engine.capsules.get(host.id).digest == live
+    engine.restore(host, verify=True)
+    assert engine.state_digest() == live
+    engine.close()
