@@ -543,7 +543,7 @@ def test_a_failed_disk_write_costs_no_older_disk_capsule(tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(diskformat, "save_file", full_disk)
+    monkeypatch.setattr(diskformat, "save", full_disk)
     with pytest.raises(CapsuleError, match="No space left"):
         engine.snapshot("new", tier="disk")               # would have evicted "old" to make room
     monkeypatch.undo()

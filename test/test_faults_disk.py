@@ -53,7 +53,9 @@ def test_sigkill_mid_save_leaves_only_whole_capsules(tmp_path):
         assert set(saved) <= ids, "a capsule reported saved was lost"
         for capsule_id in list(ids)[:3]:
             loaded.restore(capsule_id, verify=True)
-        assert not list(folder.glob(".*.tmp")), "the loader leaves no debris of interrupted writes"
+        # No hidden file at all: safetensors' own save_file left its ".tmpXXXXXX" (the capsule's
+        # full size) behind a kill, where no cleaner looks.
+        assert not list(folder.glob(".*")), "the loader leaves no debris of interrupted writes"
         loaded.close()
     _a_new_node_loads_them_all(folder, len(list(folder.glob("*.capsule"))))
     print(f"FAULT crash (SIGKILL during disk snapshots) | tried {kills} | handled {kills} | "
@@ -239,3 +241,31 @@ def test_a_write_that_fails_after_its_rename_leaves_no_capsule_to_come_back(tmp_
         engine.capsules.drop(first.id)
     engine.close()
     assert Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=tmp_path).capsules.list() == []
+
+
+_BIG_WRITE = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import torch
+    from flashrt_ros.capsule import diskformat
+    data = torch.ones(64 << 20, dtype=torch.uint8)
+    print("go", flush=True)
+    diskformat.write(diskformat.path_for(Path(sys.argv[1]), "f" * 16), {"id": "f" * 16}, data)
+""")
+
+
+def test_a_writer_killed_as_its_first_byte_lands_leaves_only_what_the_next_start_removes(tmp_path):
+    """The kill comes as soon as any file shows up in the folder, that is, mid-write. safetensors'
+    own save_file wrote to a ".tmpXXXXXX" of its own, which outlived such a kill unnoticed."""
+    folder = tmp_path / "capsules"
+    folder.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", _BIG_WRITE, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "go"
+    deadline = time.monotonic() + 60
+    while not os.listdir(folder) and writer.poll() is None and time.monotonic() < deadline:
+        pass
+    writer.send_signal(signal.SIGKILL)
+    writer.communicate()
+    assert os.listdir(folder), "the writer finished before it could be killed mid-write"
+    Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=str(folder)).close()
+    assert os.listdir(folder) in ([], [f"{'f' * 16}.capsule"]), os.listdir(folder)

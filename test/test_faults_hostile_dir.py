@@ -203,3 +203,30 @@ def test_a_capsule_file_swapped_for_a_fifo_after_start_is_refused_without_blocki
         writer.kill()
         writer.wait()
     assert info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == before
+
+
+def test_a_temp_file_whose_writer_holds_its_lock_is_kept_though_its_pid_looks_gone(tmp_path):
+    """A writer in another PID namespace (another container on the folder): its pid is no
+    process here, but it holds the file's lock while it writes."""
+    import fcntl
+
+    busy = tmp_path / f".{'e' * 16}{diskformat.SUFFIX}.{2 ** 31 - 1}.tmp"
+    busy.write_bytes(b"being written")
+    with open(busy, "rb") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        _engine(tmp_path).close()
+        assert busy.exists()
+    _engine(tmp_path).close()   # the lock is gone with its holder: debris now
+    assert not busy.exists()
+
+
+def test_a_capsule_is_written_under_its_lock_until_it_is_renamed(tmp_path, monkeypatch):
+    real_replace, seen = os.replace, []
+
+    def replace(source, target):
+        seen.append(diskformat._being_written(source))
+        real_replace(source, target)
+
+    monkeypatch.setattr(diskformat.os, "replace", replace)
+    _one_disk_capsule(tmp_path)
+    assert seen == [True]

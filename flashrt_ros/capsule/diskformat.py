@@ -17,9 +17,14 @@ import os
 import stat
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:   # no flock (Windows): temp files are told apart by their writer's pid alone
+    fcntl = None
+
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from .errors import CapsuleIOError, CorruptCapsule
 
@@ -47,14 +52,19 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
     # The writer's pid in the name: an engine starting on the same folder removes only the
     # debris of writers that are gone, never a file another engine is writing.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    placed = False
+    placed, held = False, -1
     try:
+        held = _hold(tmp)
         data = data.contiguous()
         full = {"version": VERSION, **header, "data_digest": _data_digest(data)}
         full["header_digest"] = _header_digest(full)
-        save_file({"state": data}, str(tmp), metadata={_KEY: json.dumps(full)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        # Serialised here and written into the held file: safetensors' save_file writes a temp
+        # file of its own (".tmpXXXXXX") and renames it, and a crash mid-write left that one,
+        # the capsule's full size, where no cleaner looks. The price: the bytes twice in memory.
+        blob = save({"state": data}, metadata={_KEY: json.dumps(full)})
+        with os.fdopen(held, "wb", closefd=False) as f:
+            f.write(blob)
+        os.fsync(held)
         os.replace(tmp, path)
         placed = True
         _sync_folder(path.parent)
@@ -67,6 +77,40 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
             except OSError:  # the folder itself is gone or is not a folder: nothing was left there
                 pass
         raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
+    finally:
+        if held >= 0:
+            os.close(held)
+
+
+def _hold(path: Path) -> int:
+    """The file at ``path``, made or emptied, open for writing and locked (flock) until the
+    descriptor is closed: to an engine in another PID namespace (another container on the
+    same folder) the pid in the name is someone else's or no one's, but the lock is held."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _being_written(path: Path) -> bool:
+    """Whether a writer holds the file's lock (or the file cannot be looked at: not ours to delete)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:   # BlockingIOError: held
+        return True
+    finally:
+        os.close(fd)
 
 
 def remove(path: Path) -> None:
@@ -89,14 +133,14 @@ def _sync_folder(folder: Path) -> None:
 
 def stale_temp_files(folder: Path) -> list[Path]:
     """Temp files of interrupted writes (named as ``write`` names them, plain files) whose
-    writer's process is gone. Anything else is not ours to delete."""
+    writer's process is gone and whose lock no one holds. Anything else is not ours to delete."""
     stale = []
     for tmp in folder.glob(f".*{SUFFIX}.*.tmp"):
         pid = tmp.name[:-len(".tmp")].rpartition(".")[2]
         # ASCII digits of a pid os.kill takes: isdigit() alone passes "²", which int() refuses.
         if not (pid.isascii() and pid.isdecimal() and 0 < int(pid) < 2 ** 31) or not is_plain_file(tmp):
             continue
-        if int(pid) == os.getpid() or _alive(int(pid)):
+        if int(pid) == os.getpid() or _alive(int(pid)) or _being_written(tmp):
             continue   # being written, by this process or by another one still running
         stale.append(tmp)
     return stale
