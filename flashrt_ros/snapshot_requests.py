@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, shown
 
 MAX_LENGTH = 256
 REMEMBERED = 1024   # the oldest ids are forgotten first
@@ -35,8 +35,10 @@ class SnapshotRequests:
             return None
         before, capsule_id = self._seen[request_id]
         if before != fields:
-            raise InvalidArgument(f"request_id {request_id!r} was used with (name, tier, pin) = {before}, "
-                                  f"now {fields}: a request_id names one snapshot")
+            # Cut: a retry's fields are not checked yet, and one may be megabytes long.
+            raise InvalidArgument(f"request_id {request_id!r} was used with (name, tier, pin) = "
+                                  f"{', '.join(map(shown, before))}, now {', '.join(map(shown, fields))}: "
+                                  f"a request_id names one snapshot")
         return capsule_id
 
     def remember(self, request_id: str, fields: tuple, capsule_id: str) -> None:

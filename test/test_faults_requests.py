@@ -263,3 +263,16 @@ def test_budget_pressure_without_spill_refuses_and_keeps_every_capsule(ros_conte
         print(f"FAULT budget pressure (spill off) | tried {refused} refusals | handled {refused} | lost 0")
     finally:
         h.close()
+
+
+def test_a_reused_request_id_with_megabyte_fields_gets_a_short_refusal():
+    """The fields of a retry are not checked yet when its request_id is looked up: the refusal
+    must not echo them whole into the answer, the event and the log."""
+    from flashrt_ros.errors import InvalidArgument
+    from flashrt_ros.snapshot_requests import SnapshotRequests
+
+    requests = SnapshotRequests()
+    requests.remember("r1", ("a", "", False), "0123456789abcdef")
+    with pytest.raises(InvalidArgument) as refused:
+        requests.earlier("r1", ("x" * 2_000_000, "y" * 2_000_000, False))
+    assert len(str(refused.value)) < 500 and "a request_id names one snapshot" in str(refused.value)

@@ -400,6 +400,11 @@ def test_lifecycle_services_drive_the_node_as_a_lifecycle_manager_would(ros_cont
         assert go(Transition.TRANSITION_CONFIGURE) and state() == "inactive"
         assert go(Transition.TRANSITION_ACTIVATE) and state() == "active"
         _ok(h.call("snapshot"))
+        # A transition the state does not have (a manager that retries): refused, and the
+        # executor lives on (rclpy raised out of the callback, which stopped it).
+        assert not go(Transition.TRANSITION_CONFIGURE) and not go(99) and state() == "active"
+        assert h._thread.is_alive()
+        _ok(h.call("snapshot"))
         assert go(Transition.TRANSITION_DEACTIVATE) and state() == "inactive"
         assert go(Transition.TRANSITION_CLEANUP) and state() == "unconfigured"
         assert h.node.engine is None
@@ -528,3 +533,39 @@ def test_a_request_whose_handler_raises_costs_that_answer_not_the_services(live)
     _ok(h.call("list_capsules"))
     _ok(h.call("snapshot"))
     assert h.node._capsule_services.alive and h.node._capsule_services.failures == 1
+
+
+def test_a_status_the_engine_cannot_give_is_counted_and_the_node_serves_on(live):
+    """A sticky engine fault (a CUDA error, say) in the status timer: it once stopped the
+    executor, and with it the lifecycle, parameter and action services."""
+    h = live
+    engine = h.node.engine
+    digest = engine.state_digest
+
+    def faulty() -> str:
+        raise RuntimeError("injected: an engine fault while the status is made")
+
+    engine.state_digest = faulty
+    try:
+        h.node._version += 1   # a new state: the status must hash it
+        h.node._dirty.set()
+        deadline = time.monotonic() + 10
+        while h.node._counters["status_failures"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.state_digest = digest
+    assert h.node._counters["status_failures"] >= 1 and h._thread.is_alive()
+    _ok(h.call("snapshot"))
+    _, result = h.generate("hello", max_new_tokens=2)   # the action server shares the timer's executor
+    assert wait_future(result).result.success
+
+
+def test_a_pose_from_before_cleanup_is_forgotten(live):
+    from geometry_msgs.msg import PoseStamped
+
+    h = live
+    h.node._on_pose(PoseStamped())
+    assert h.node._latest_pose is not None
+    h.node.trigger_deactivate()
+    h.node.trigger_cleanup()
+    assert h.node._latest_pose is None

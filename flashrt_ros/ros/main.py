@@ -5,10 +5,11 @@ import os
 import sys
 
 import rclpy
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy._rclpy_pybind11 import RCLError
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 
 from .node import FlashRTNode
+from .spinning import spin_until_shutdown
 
 
 def main(args: list[str] | None = None) -> int:
@@ -27,12 +28,13 @@ def main(args: list[str] | None = None) -> int:
         # Threads: generation, policy steps, timers and a few concurrent services.
         executor = MultiThreadedExecutor(num_threads=max(4, os.cpu_count() or 1))
         executor.add_node(node)
-        executor.spin()
+        spin_until_shutdown(executor, node.context,
+                            lambda trace: node.get_logger().error(f"a callback failed; serving on:\n{trace}"))
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     except RCLError:
-        # SIGTERM shuts the context down; a wait that starts just after sees an
-        # invalid context instead of ExternalShutdownException. Only that is benign.
+        # SIGTERM shuts the context down; a call that starts just after (a configure at start,
+        # say) sees an invalid context instead of ExternalShutdownException. Only that is benign.
         if rclpy.ok():
             raise
     finally:

@@ -25,6 +25,7 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy._rclpy_pybind11 import RCLError
 
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped
@@ -69,6 +70,7 @@ class FlashRTNode(LifecycleNode):
 
     def __init__(self, node_name: str = "flashrt", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
+        self._answer_invalid_transitions()
         self._status_timer = None
         self.engine: Engine | None = None
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -84,7 +86,8 @@ class FlashRTNode(LifecycleNode):
         self._requests = SnapshotRequests()
         self._latest_pose: PoseStamped | None = None
         self._latencies = Latencies()
-        self._counters = {"requests": 0, "failed_requests": 0, "policy_steps": 0, "rejected_observations": 0}
+        self._counters = {"requests": 0, "failed_requests": 0, "policy_steps": 0, "rejected_observations": 0,
+                          "status_failures": 0}
         self._version = 0              # bumped by every state change; the status digest is cached per version
         self._digest = (-1, "")
         self._dirty = threading.Event()
@@ -110,6 +113,27 @@ class FlashRTNode(LifecycleNode):
         self._dirty.set()
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    def _answer_invalid_transitions(self) -> None:
+        """rclpy's change_state raises on a transition the current state does not have (a
+        second configure, say, from a lifecycle manager that retries): the exception left the
+        callback, stopped the executor, and the node exited without an answer. It is answered
+        success=false instead; the state machine has not moved."""
+        service = getattr(self, "_service_change_state", None)
+        if service is None:
+            return
+        change = service.callback
+
+        def answered(request: Any, response: Any) -> Any:
+            try:
+                return change(request, response)
+            except RCLError as exc:
+                self.get_logger().warning(f"change_state refused: transition {request.transition.id} "
+                                          f"{request.transition.label!r}: {str(exc).splitlines()[0][:200]}")
+                response.success = False
+                return response
+
+        service.callback = answered
+
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._configures += 1
         vals = params.values(self)
@@ -196,6 +220,7 @@ class FlashRTNode(LifecycleNode):
 
     def _free(self) -> None:
         bag, self._bag, self.journal = self._bag, None, None
+        self._latest_pose = None   # a pose from before cleanup must not build the next engine's first observation
         if bag is not None:
             try:
                 bag.close()
@@ -287,12 +312,12 @@ class FlashRTNode(LifecycleNode):
         journal = self.journal
         if journal is None:
             return
-        out = {"error_code": outcome(exc)[0] if exc else 0, "position": engine.position}
-        if exc is None:
-            out.update({k: v for k, v in (extra or {}).items() if k not in ("message", "repeat", "position")})
-            if kind not in (J.PREFILL, J.DECODE, J.STEP, J.SPILL):  # capsule calls: check the whole state
-                out["state_digest"] = engine.state_digest()
         try:
+            out = {"error_code": outcome(exc)[0] if exc else 0, "position": engine.position}
+            if exc is None:
+                out.update({k: v for k, v in (extra or {}).items() if k not in ("message", "repeat", "position")})
+                if kind not in (J.PREFILL, J.DECODE, J.STEP, J.SPILL):  # capsule calls: check the whole state
+                    out["state_digest"] = engine.state_digest()
             journal.record(kind, request, out)
         except Exception as exc:
             self.journal = None   # a journal with a gap would not replay: stop it here
@@ -463,8 +488,8 @@ class FlashRTNode(LifecycleNode):
         answer to the Snapshot or Fork carried an empty one)."""
         messages = {"spill": f"capsule {info.id} moved to {info.tier}", "evict": f"capsule {info.id} evicted",
                     "digest": f"capsule {info.id} digest {info.digest[:16]}..."}
-        if kind not in messages:
-            return
+        if kind not in messages or not self.context.ok():   # after shutdown: the engine's close
+            return                                          # still finishes digests, nobody hears them
         engine = self.engine
         msg = CapsuleEvent(kind=kind, capsule=info_msg(info), success=True, error_code=0,
                            position=engine.position if engine is not None else 0, message=messages[kind])
@@ -486,6 +511,13 @@ class FlashRTNode(LifecycleNode):
             self._publish_status()
 
     def _publish_status(self) -> None:
+        try:
+            self._publish_status_now()
+        except Exception:   # an engine fault (a sticky CUDA error, say) must not stop the executor
+            self._counters["status_failures"] += 1
+            self.get_logger().error(f"status not published:\n{traceback.format_exc()}", throttle_duration_sec=5.0)
+
+    def _publish_status_now(self) -> None:
         self._dirty.clear()
         engine = self.engine
         now = self.get_clock().now().to_msg()

@@ -12,13 +12,12 @@ lifecycle node's methods, so refusals and the engine lock work as before.
 from __future__ import annotations
 
 import threading
-import time
-import traceback
 from typing import Any, Callable, Iterable
 
-from rclpy._rclpy_pybind11 import RCLError
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
+
+from .spinning import spin_until_shutdown
 
 
 class CapsuleServices:
@@ -42,23 +41,11 @@ class CapsuleServices:
         self._thread.start()
 
     def _spin(self) -> None:
-        while True:
-            try:
-                self._executor.spin()
-                return
-            except ExternalShutdownException:
-                return
-            except RCLError:
-                # A shutdown that lands between two waits shows up as an invalid context.
-                if not self.node.context.ok():
-                    return
-                self.failures += 1
-                self.node.get_logger().error(f"capsule services:\n{traceback.format_exc()}")
-            except Exception:
-                # A callback or its answer failed: that request is lost, the services must not be.
-                self.failures += 1
-                self.node.get_logger().error(f"capsule service request failed:\n{traceback.format_exc()}")
-            time.sleep(0.01)   # never a hot loop, whatever keeps failing
+        spin_until_shutdown(self._executor, self.node.context, self._failed)
+
+    def _failed(self, trace: str) -> None:
+        self.failures += 1
+        self.node.get_logger().error(f"capsule service request failed:\n{trace}")
 
     @property
     def alive(self) -> bool:
