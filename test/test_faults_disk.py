@@ -269,3 +269,20 @@ def test_a_writer_killed_as_its_first_byte_lands_leaves_only_what_the_next_start
     assert os.listdir(folder), "the writer finished before it could be killed mid-write"
     Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=str(folder)).close()
     assert os.listdir(folder) in ([], [f"{'f' * 16}.capsule"]), os.listdir(folder)
+
+
+def test_a_write_interrupted_by_anything_leaves_no_temp_file(tmp_path, monkeypatch):
+    """Not only I/O errors: a MemoryError or a Ctrl-C in the middle leaves the process alive,
+    and with it the pid that keeps its temp file from every cleaner."""
+    from flashrt_ros.capsule import diskformat
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=tmp_path)
+    engine.prefill([1, 2, 3])
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(diskformat, "save", out_of_memory)
+    with pytest.raises(MemoryError):
+        engine.snapshot(tier="disk")
+    assert os.listdir(tmp_path) == [] and engine.capsules.list() == []

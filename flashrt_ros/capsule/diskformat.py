@@ -68,15 +68,18 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
         os.replace(tmp, path)
         placed = True
         _sync_folder(path.parent)
-    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as SafetensorError
+    except BaseException as exc:
         # A failure after the rename leaves the file under its final name: the caller counts
         # the capsule as not written (it may drop it), so a restart must not find it there.
+        # Also on a MemoryError or a Ctrl-C: this process lives on, so no start would remove it.
         for leftover in (path, tmp) if placed else (tmp,):
             try:
                 leftover.unlink(missing_ok=True)
             except OSError:  # the folder itself is gone or is not a folder: nothing was left there
                 pass
-        raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
+        if isinstance(exc, (OSError, SafetensorError)):   # safetensors reports a full disk as SafetensorError
+            raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise
     finally:
         if held >= 0:
             os.close(held)

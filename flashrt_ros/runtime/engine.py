@@ -170,6 +170,7 @@ class Engine:
         # the same tokens, other roundings, so a replay must know which.
         self.fixed_shapes = self.cuda_graphs or bool(opts["static_shapes"])
         self._obs_in = self._action_out = None
+
         def step(fn: Callable[[], None]) -> Step:
             # Warm-up runs advance the device position counter: rewound, they write row 0 only,
             # whatever max_seq_len is (an index past the cache is a device-side assert on CUDA).
