@@ -34,15 +34,17 @@ def load(path: Path, layout: Layout, kinds: frozenset[str],
                              f"{layout.max_position} rows")
     log_runs = log_from_header(header, info.position, kinds)
     check_compatible(info)
-    verified_bytes(path, info, log_runs, layout, kinds)
+    verified_bytes(path, info, log_runs, layout, kinds, header)
     return info, log_runs
 
 
-def verified_bytes(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layout,
-                   kinds: frozenset[str]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def verified_bytes(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layout, kinds: frozenset[str],
+                   header: dict | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The file's bytes and the arena ranges they fill, read afresh and checked against the
-    capsule it must still describe: ``info`` and ``log_runs`` are what the store holds."""
-    header = _header(path, layout)
+    capsule it must still describe: ``info`` and ``log_runs`` are what the store holds.
+    ``header``: the file's, when the caller has just read it (``load``), else read here."""
+    if header is None:
+        header = _header(path, layout)
     if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
             [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} no longer describes this capsule")
