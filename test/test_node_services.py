@@ -569,3 +569,65 @@ def test_a_pose_from_before_cleanup_is_forgotten(live):
     h.node.trigger_deactivate()
     h.node.trigger_cleanup()
     assert h.node._latest_pose is None
+
+
+def test_a_status_or_event_that_meets_a_shut_down_context_is_dropped_quietly(capfd):
+    """A SIGTERM shuts the context down while the status timer or a service is between
+    making its message and publishing it. Nobody is left to hear it: that is not a fault to
+    count, and a traceback in the log of a clean stop reads as a crash."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from flashrt_ros.ros.node import FlashRTNode
+    from ros_harness import SERVICES
+
+    context = Context()
+    rclpy.init(context=context)
+    node = None
+    try:
+        node = FlashRTNode("flashrt_stopping", context=context,
+                           parameter_overrides=[Parameter("max_seq_len", value=256), Parameter("status_rate", value=0.0)])
+        node.trigger_configure()
+        node.trigger_activate()
+        node._publish_status()
+        assert node._counters["status_failures"] == 0
+        context.shutdown()
+        capfd.readouterr()
+        node._publish_status()
+        answer = SERVICES["snapshot"].Response(success=True, position=0, latency_ms=0.1)
+        node._publish_event("snapshot", None, answer)
+        assert node._counters["status_failures"] == 0
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        if node is not None:
+            node.destroy_node()
+        context.try_shutdown()
+
+
+def test_a_generate_goal_cut_by_shutdown_ends_without_a_traceback(capfd):
+    """A SIGTERM during a long goal: its next feedback meets a dead context. The goal ends
+    there, logged as stopped, not as an internal failure with a traceback."""
+    import threading
+
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(context=context)
+    h = Harness(context, {"max_seq_len": 512})
+    try:
+        first = threading.Event()
+        h.generate("hello", max_new_tokens=400, feedback=lambda _: first.set())
+        assert first.wait(30), "no feedback came"
+        context.shutdown()
+        deadline = time.monotonic() + 30
+        while h.node._generation.locked() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not h.node._generation.locked(), "the goal did not end after the shutdown"
+        assert h.node.engine.position < 400
+        err = capfd.readouterr().err
+        assert "generate stopped by shutdown" in err and "Traceback" not in err, err
+    finally:
+        h.close()
+        context.try_shutdown()

@@ -439,12 +439,19 @@ class FlashRTNode(LifecycleNode):
                 goal_handle.succeed()
             return result
         code, message = outcome(exc)
-        if code == ErrorCode.INTERNAL:
+        stopping = not self.context.ok()   # a SIGTERM: the feedback it streamed met a dead context
+        if stopping:
+            self.get_logger().info(f"generate stopped by shutdown: {message}")
+        elif code == ErrorCode.INTERNAL:
             self.get_logger().error(f"generate failed: {message}\n{traceback.format_exc()}")
         result.success, result.error_code, result.message = False, code, message
         if self.engine is not None:
             result.position = self.engine.position
-        goal_handle.abort()
+        try:
+            goal_handle.abort()
+        except Exception:
+            if not stopping:
+                raise
         return result
 
     # ---- policy topics ------------------------------------------------------------------------------
@@ -504,6 +511,8 @@ class FlashRTNode(LifecycleNode):
             msg.header.stamp = self.get_clock().now().to_msg()
             self._events.publish(msg)
         except Exception:  # the answer is what matters: an event that cannot go out must not cost it
+            if not self.context.ok():   # a shutdown landed first: nobody is left to hear it
+                return
             self.get_logger().error(f"{kind} event not published:\n{traceback.format_exc()}")
 
     def _publish_if_dirty(self) -> None:
@@ -514,6 +523,8 @@ class FlashRTNode(LifecycleNode):
         try:
             self._publish_status_now()
         except Exception:   # an engine fault (a sticky CUDA error, say) must not stop the executor
+            if not self.context.ok():   # a SIGTERM landed while the timer ran: not a fault
+                return
             self._counters["status_failures"] += 1
             self.get_logger().error(f"status not published:\n{traceback.format_exc()}", throttle_duration_sec=5.0)
 
