@@ -88,28 +88,35 @@ class DevicePool:
         # snapshot 9 us from a cold cache).
         return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
 
+    def _first_fit(self, size: int) -> int | None:
+        """Index of the first free run that holds ``size`` bytes."""
+        for i, (_, free) in enumerate(self._free):
+            if free >= size:
+                return i
+        return None
+
     def allocate(self, nbytes: int) -> Chunk | None:
         size = self.footprint(nbytes)
-        for i, (offset, free) in enumerate(self._free):
-            if free >= size:
-                # Made before the free list changes: a Ctrl-C raised as the call into Chunk begins
-                # (a snapshot allocates during its copy, where one pending is raised) loses no space.
-                chunk = Chunk("device", self.buffer, offset, nbytes, self._address)
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + size, free - size)
-                return chunk
-        return None
+        i = self._first_fit(size)
+        if i is None:
+            return None
+        offset, free = self._free[i]
+        # Made before the free list changes: a Ctrl-C raised as the call into Chunk begins
+        # (a snapshot allocates during its copy, where one pending is raised) loses no space.
+        chunk = Chunk("device", self.buffer, offset, nbytes, self._address)
+        if free == size:
+            del self._free[i]
+        else:
+            self._free[i] = (offset + size, free - size)
+        return chunk
 
     def address_for(self, nbytes: int) -> int:
         """Where ``allocate(nbytes)`` would place its chunk if called now, in CPU memory; 0 when
         nothing fits or the pool is not in CPU memory. Nothing is allocated."""
-        size = self.footprint(nbytes)
-        for offset, free in self._free:
-            if free >= size:
-                return self._address + offset if self._address else 0
-        return 0
+        i = self._first_fit(self.footprint(nbytes))
+        if i is None or not self._address:
+            return 0
+        return self._address + self._free[i][0]
 
     def release(self, chunk: Chunk) -> None:
         size = self.footprint(chunk.nbytes)
