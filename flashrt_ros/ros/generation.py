@@ -41,7 +41,7 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
             raise NotActive("node left the active state before the prompt was committed")
         if ids and not goal_handle.is_cancel_requested:   # a cancel ends the goal at the loop's first check
             engine.prefill(ids)
-            node.note_state_change(J.PREFILL, {"token_ids": list(ids), "prompt": goal.prompt}, {})
+            node.note_state_change(engine, J.PREFILL, {"token_ids": list(ids), "prompt": goal.prompt}, {})
         lineage = engine.lineage
     tokens: list[int] = []
     first = None
@@ -61,7 +61,7 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
                 if seed is not None and not tokens:
                     sampling["seed"] = seed
                 token = engine.generate(1, **sampling)[0]
-                node.note_state_change(J.DECODE, sampling, {"token": token})
+                node.note_state_change(engine, J.DECODE, sampling, {"token": token})
             if first is None:
                 first = time.perf_counter()
             tokens.append(token)

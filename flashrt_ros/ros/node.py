@@ -327,10 +327,11 @@ class FlashRTNode(LifecycleNode):
     def serving(self) -> bool:
         return self._active and self.engine is not None
 
-    def note_state_change(self, kind: str, request: dict, extra: dict) -> None:
-        """Called holding the engine lock after a prefill, decode or policy step."""
+    def note_state_change(self, engine: Engine, kind: str, request: dict, extra: dict) -> None:
+        """Called holding ``engine.lock`` after a prefill, decode or policy step on ``engine``:
+        the one that changed, even if a cleanup has since put another in ``self.engine``."""
         self._version += 1
-        self._record(kind, request, self.engine, None, extra)
+        self._record(kind, request, engine, None, extra)
         self._dirty.set()   # "on change" status: sent within the poll interval, not per step
 
     def _snapshot(self, request: Snapshot.Request, response: Snapshot.Response) -> Snapshot.Response:
@@ -474,7 +475,7 @@ class FlashRTNode(LifecycleNode):
                     self._reject("a generate goal is running; a step would interleave with its tokens")
                     return
                 action = engine.step(obs)
-                self.note_state_change(J.STEP, {"observation": obs.tolist()}, {"action": J.action_bytes(action)})
+                self.note_state_change(engine, J.STEP, {"observation": obs.tolist()}, {"action": J.action_bytes(action)})
         except InvalidArgument as exc:
             self._reject(str(exc))
             return
