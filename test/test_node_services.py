@@ -618,16 +618,20 @@ def test_a_generate_goal_cut_by_shutdown_ends_without_a_traceback(capfd):
     h = Harness(context, {"max_seq_len": 512})
     try:
         first = threading.Event()
+        engine = h.node.engine
         h.generate("hello", max_new_tokens=400, feedback=lambda _: first.set())
         assert first.wait(30), "no feedback came"
+        # Jazzy's shutdown leaves the node be, and the goal's next feedback meets a dead
+        # context; Kilted's destroys the node first, and the goal finds it inactive.
         context.shutdown()
         deadline = time.monotonic() + 30
         while h.node._generation.locked() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not h.node._generation.locked(), "the goal did not end after the shutdown"
-        assert h.node.engine.position < 400
+        assert engine.position < 400
         err = capfd.readouterr().err
-        assert "generate stopped by shutdown" in err and "Traceback" not in err, err
+        assert "Traceback" not in err, err
+        assert "generate stopped by shutdown" in err or h.node.engine is None, err   # Kilted: see above
     finally:
         h.close()
         context.try_shutdown()

@@ -440,7 +440,9 @@ class FlashRTNode(LifecycleNode):
                 goal_handle.succeed()
             return result
         code, message = outcome(exc)
-        stopping = not self.context.ok()   # a SIGTERM: the feedback it streamed met a dead context
+        # A SIGTERM: the feedback it streamed met a dead context, or (Kilted) the shutdown
+        # destroys the node, and with it the action server, under the running goal.
+        stopping = not self.context.ok() or self._generate_server is None
         if stopping:
             self.get_logger().info(f"generate stopped by shutdown: {message}")
         elif code == ErrorCode.INTERNAL:
@@ -551,9 +553,11 @@ class FlashRTNode(LifecycleNode):
 
     def destroy_node(self) -> None:
         # Also reached from a constructor that failed (Kilted's Node.__init__ destroys
-        # itself on a refused parameter), before our own attributes exist.
+        # itself on a refused parameter), before our own attributes exist. And twice: Kilted's
+        # Context.shutdown destroys the nodes it tracks, then the owner's cleanup does, and
+        # rclpy's action server raises when destroyed a second time.
         self._active = False
-        server = getattr(self, "_generate_server", None)
+        server, self._generate_server = getattr(self, "_generate_server", None), None
         if server is not None:
             server.destroy()
         services = getattr(self, "_capsule_services", None)
