@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from flashrt_ros.bench import capsules, runtime
 from flashrt_ros.bench.common import code_version, positive_int
@@ -64,3 +65,13 @@ def test_a_failing_gpu_check_section_reports_and_lets_the_next_run(capsys):
     assert gpu_check._section("broken", broken) is False and gpu_check._section("fine", lambda: True) is True
     out = capsys.readouterr()
     assert "broken: FAIL" in out.out and "fine: PASS" in out.out and "a kernel failed" in out.err
+
+
+def test_transformers_reuse_runs_beside_our_cold_prefill_on_the_same_weights():
+    pytest.importorskip("transformers")
+    from flashrt_ros.bench.reuse import transformers_ttft
+
+    (row,) = transformers_ttft((96,), rounds=1, device=torch.device("cpu"))
+    assert row["prefix"] == 96 and row["same_first_token"], row
+    assert row["ours_cold_ms"] > 0 and row["cold_ms"] > 0 and row["reuse_ms"] > 0
+    assert row["ours_cold_vs_transformers"] == pytest.approx(row["ours_cold_ms"] / row["cold_ms"])
