@@ -635,3 +635,63 @@ def test_a_generate_goal_cut_by_shutdown_ends_without_a_traceback(capfd):
     finally:
         h.close()
         context.try_shutdown()
+
+
+def test_a_context_shutdown_with_the_node_alive_is_prompt():
+    """Kilted's Context.shutdown destroys the nodes it tracks while holding the context's
+    lock, on which the services' thread waits: stopping it waited out a 5 s join."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from flashrt_ros.ros.node import FlashRTNode
+
+    context = Context()
+    rclpy.init(context=context)
+    node = None
+    try:
+        node = FlashRTNode("flashrt_prompt", context=context,
+                           parameter_overrides=[Parameter("max_seq_len", value=256), Parameter("status_rate", value=0.0)])
+        node.trigger_configure()
+        node.trigger_activate()
+        started = time.monotonic()
+        context.shutdown()
+        assert time.monotonic() - started < 3.0
+    finally:
+        if node is not None:
+            node.destroy_node()
+        context.try_shutdown()
+
+
+def test_stopping_the_services_waits_for_a_handler_in_flight(ros_context):
+    """rclpy's executor shutdown returns at once whatever its timeout: the engine must not
+    be freed under a request still being answered."""
+    import threading
+
+    from rclpy.node import Node
+
+    from flashrt_ros.ros.services import CapsuleServices
+    from flashrt_ros.srv import ListCapsules
+    from ros_harness import spun_client
+
+    entered, finished = threading.Event(), threading.Event()
+
+    def slow(request, response):
+        entered.set()
+        time.sleep(2.0)   # longer than stop()'s join of the thread: only its wait for handlers covers it
+        finished.set()
+        return response
+
+    owner = Node("flashrt_owner", context=ros_context)
+    services = CapsuleServices(owner, [(ListCapsules, "list_capsules", slow)])
+    try:
+        with spun_client(ros_context) as client:
+            call = client.create_client(ListCapsules, "/flashrt_owner/list_capsules")
+            assert call.wait_for_service(timeout_sec=10)
+            call.call_async(ListCapsules.Request())
+            assert entered.wait(10)
+            services.stop()
+            assert finished.is_set(), "stop() returned while the handler was still running"
+            assert not services.alive
+    finally:
+        owner.destroy_node()

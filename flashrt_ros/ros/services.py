@@ -30,15 +30,33 @@ class CapsuleServices:
         self.node = Node(name, namespace=owner.get_namespace(), context=owner.context,
                          start_parameter_services=False,
                          cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={owner.get_namespace()}"])
+        # Handlers running now: stop() waits for them, since rclpy's executor shutdown does
+        # not (in Jazzy and Kilted it returns at once, whatever its timeout).
+        self._running = 0
+        self._idle = threading.Condition()
         for srv, name, handler in services:
             # Named as the owner would name them, its remaps applied: a rule for ``~/restore``
             # means the owner's ``~``, which the helper's own expansion would not match.
-            self.node.create_service(srv, owner.resolve_service_name(f"~/{name}"), handler)
+            self.node.create_service(srv, owner.resolve_service_name(f"~/{name}"), self._counted(handler))
         self.failures = 0   # requests whose handler or answer raised (each is logged)
         self._executor = SingleThreadedExecutor(context=owner.context)
         self._executor.add_node(self.node)
         self._thread = threading.Thread(target=self._spin, name="capsule-services", daemon=True)
         self._thread.start()
+
+    def _counted(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def serve(request: Any, response: Any) -> Any:
+            with self._idle:
+                self._running += 1
+            try:
+                return handler(request, response)
+            finally:
+                with self._idle:
+                    self._running -= 1
+                    if not self._running:
+                        self._idle.notify_all()
+
+        return serve
 
     def _spin(self) -> None:
         spin_until_shutdown(self._executor, self.node.context, self._failed)
@@ -52,7 +70,13 @@ class CapsuleServices:
         """Whether the thread that serves the services is running."""
         return self._thread.is_alive()
 
-    def stop(self) -> None:
-        self._executor.shutdown(timeout_sec=5)
-        self._thread.join(5)
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving, wait up to ``timeout`` s for handlers in flight, destroy the node."""
+        self._executor.shutdown(timeout_sec=0)
+        with self._idle:
+            self._idle.wait_for(lambda: not self._running, timeout)
+        # Not the full timeout: Kilted's Context.shutdown destroys the nodes it tracks while
+        # holding the context's lock, and this thread, between two waits, is parked on that
+        # lock (``context.ok()``) until the shutdown returns. Parked there it runs nothing.
+        self._thread.join(1.0)
         self.node.destroy_node()
