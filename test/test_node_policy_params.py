@@ -301,3 +301,55 @@ def test_observations_during_a_goal_are_dropped_not_interleaved_with_its_tokens(
         assert h.node._counters["policy_steps"] == steps + 1
     finally:
         h.close()
+
+
+def test_the_stamp_gap_is_none_for_unstamped_messages():
+    from flashrt_ros.ros.observation import stamp_gap
+
+    joints, pose = _joint_state([0.0] * 7), _pose()
+    assert stamp_gap(joints, pose) is None
+    joints.header.stamp.sec, joints.header.stamp.nanosec = 100, 250_000_000
+    assert stamp_gap(joints, pose) is None   # the pose is unstamped
+    pose.header.stamp.sec, pose.header.stamp.nanosec = 99, 750_000_000
+    assert stamp_gap(joints, pose) == pytest.approx(0.5)
+    assert stamp_gap(pose, joints) == pytest.approx(0.5)
+
+
+def test_a_pose_too_far_from_the_joint_state_by_stamps_is_not_paired_with_it(ros_context):
+    """A pose publisher that stopped must not have its last pose paired with every new joint
+    state; unstamped messages and a check set to 0 step as before."""
+    from rclpy.parameter import Parameter
+    from trajectory_msgs.msg import JointTrajectoryPoint
+
+    def stamped(msg, sec: int, nanosec: int = 0):
+        msg.header.stamp.sec, msg.header.stamp.nanosec = sec, nanosec
+        return msg
+
+    h = Harness(ros_context)
+    try:
+        actions = []
+        h.client.create_subscription(JointTrajectoryPoint, "/flashrt/action", actions.append, 50)
+        joints, poses = h.policy_publishers()
+        deadline = time.monotonic() + 10
+        while h.node.count_publishers("/flashrt/action") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        poses.publish(stamped(_pose(), 100))
+        time.sleep(0.3)
+
+        def send(msg) -> None:
+            before = (len(actions), h.node._counters["rejected_observations"])
+            joints.publish(msg)
+            end = time.monotonic() + 10
+            while (len(actions), h.node._counters["rejected_observations"]) == before and time.monotonic() < end:
+                time.sleep(0.01)
+
+        send(stamped(_joint_state([0.1] * 7), 100, 400_000_000))   # 0.4 s apart: within 0.5
+        send(stamped(_joint_state([0.1] * 7), 101))                # 1 s apart: dropped
+        send(_joint_state([0.1] * 7))                              # unstamped: not checked
+        assert (len(actions), h.node._counters["rejected_observations"]) == (2, 1)
+        assert h.node.set_parameters([Parameter("policy.max_pose_age", value=0.0)])[0].successful
+        send(stamped(_joint_state([0.1] * 7), 160))                # a minute apart, check off
+        assert (len(actions), h.node._counters["rejected_observations"]) == (3, 1)
+        assert not h.node.set_parameters([Parameter("policy.max_pose_age", value=-1.0)])[0].successful
+    finally:
+        h.close()

@@ -46,7 +46,7 @@ from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
 from .convert import info_msg, outcome
 from .generation import run_generation
-from .observation import build_observation
+from .observation import build_observation, stamp_gap
 from .services import CapsuleServices
 from .telemetry import Latencies, diagnostics_msg, status_msg
 
@@ -82,6 +82,7 @@ class FlashRTNode(LifecycleNode):
         self._label = "unconfigured"
         self._active = False
         self._joint_names: list[str] = []
+        self._max_pose_age = float(self.get_parameter("policy.max_pose_age").value)
         self._generation = threading.Lock()
         self._requests = SnapshotRequests()
         self._latest_pose: PoseStamped | None = None
@@ -249,6 +250,8 @@ class FlashRTNode(LifecycleNode):
                     with engine.lock:   # journaled in order: it decides later refusals and evictions
                         engine.capsules.spill = bool(p.value)
                         self._record(J.SPILL, {"spill": bool(p.value)}, engine, None, {})
+                elif p.name == "policy.max_pose_age":
+                    self._max_pose_age = float(p.value)
                 elif p.name == "status_rate" and hasattr(self, "_timer_group"):  # not while declaring
                     self._restart_status_timer(p.value)
         return result
@@ -467,6 +470,13 @@ class FlashRTNode(LifecycleNode):
             return
         if self._latest_pose is None:
             self._reject("no ~/ee_pose received yet; an observation needs both joint states and the pose")
+            return
+        gap = stamp_gap(msg, self._latest_pose)
+        if self._max_pose_age > 0 and gap is not None and gap > self._max_pose_age:
+            # A pose publisher that stopped would otherwise pair every new joint state with
+            # where the arm was then.
+            self._reject(f"~/ee_pose and ~/joint_states are {gap:.3f} s apart by their stamps "
+                         f"(policy.max_pose_age {self._max_pose_age:g} s)")
             return
         try:
             obs = build_observation(self._joint_names, msg, self._latest_pose)

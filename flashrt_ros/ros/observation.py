@@ -22,6 +22,15 @@ def observation_size(joints: int) -> int:
     return 2 * joints + 9
 
 
+def stamp_gap(joint_state, pose_stamped) -> float | None:
+    """Seconds between the two messages' header stamps; None when either is unstamped (zero),
+    as publishers that do not keep time leave them."""
+    j, p = joint_state.header.stamp, pose_stamped.header.stamp
+    if not (j.sec or j.nanosec) or not (p.sec or p.nanosec):
+        return None
+    return abs((j.sec - p.sec) + (j.nanosec - p.nanosec) * 1e-9)
+
+
 def build_observation(joint_names: Sequence[str], joint_state, pose_stamped) -> np.ndarray:
     """float32 vector of ``observation_size(len(joint_names))``; InvalidArgument if a message does not fit."""
     counts = Counter(joint_state.name)

@@ -74,6 +74,9 @@ PARAMS = (
     Param("policy.action_dim", 7, "action size published on ~/action; 0 turns policy mode off", lo=0, hi=65536),
     Param("policy.joint_names", [f"joint{i}" for i in range(1, 8)],
           "joints read from ~/joint_states by name, in this order (obs_dim = 2 x their count + 9)"),
+    Param("policy.max_pose_age", 0.5, "seconds an ~/ee_pose may be apart from the ~/joint_states it is paired "
+          "with, by their header stamps (unstamped messages are not checked); 0 = no check", read_only=False,
+          lo=0.0, hi=3600.0),
     Param("status_rate", 1.0, "Hz of ~/status and /diagnostics (also sent on every change); 0 = on change only",
           read_only=False, lo=0.0, hi=100.0),
     Param("journal_path", "", "folder for journal bags: each configure records its committed operations "
