@@ -119,6 +119,8 @@ int flashrt_row_product(const float *x, const float *w, float *y, float *partial
                         int tiled) {
     if (tiled && (k % (SLABS * ROWS) || n % TILE))
         return -1;
+    if (threads < 1)   /* as the delta and attention kernels do: OpenMP leaves num_threads(0) undefined */
+        threads = 1;
     const slab_fn slab = __atomic_load_n(tiled ? &tiled_product : &slab_product, __ATOMIC_RELAXED);
     const fp_mode mode = get_fp_mode();
 #pragma omp parallel num_threads(threads)

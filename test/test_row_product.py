@@ -76,6 +76,20 @@ def test_wrong_tensors_are_refused_before_the_kernel_touches_them():
         row_product.row_product(torch.randn(1, 4), w.t(), scratch)
     with pytest.raises(ValueError, match="scratch"):
         row_product.row_product(torch.randn(1, 16), w, torch.empty(4))
+    # Enough elements, one float of memory: the kernel wrote past it (an ASan review found it).
+    with pytest.raises(ValueError, match="scratch"):
+        row_product.row_product(torch.randn(1, 16), w, torch.empty(1).expand(scratch.numel()))
+
+
+def test_a_thread_count_below_one_runs_on_one_thread():
+    """The C entry point itself: OpenMP leaves num_threads(0) undefined."""
+    x, w, scratch = torch.randn(1, 16), torch.randn(16, 8), row_product.scratch(8)
+    expected = row_product.row_product(x, w, scratch)
+    y = torch.empty(1, 8)
+    kernel = row_product._KERNEL[0]
+    for threads in (0, -3):
+        assert kernel(x.data_ptr(), w.data_ptr(), y.data_ptr(), scratch.data_ptr(), 16, 8, threads, 0) == 0
+        assert torch.equal(y, expected)
 
 
 @pytest.mark.parametrize("k, n", [(512, 1552), (1536, 512), (64, 32768), (128, 8)])

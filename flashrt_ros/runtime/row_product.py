@@ -73,7 +73,9 @@ def check_weight(w: torch.Tensor, partials: torch.Tensor) -> None:
     for t in (w, partials):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"row_product takes float32 CPU tensors, got {t.dtype} on {t.device}")
-    if w.dim() != 2 or not w.is_contiguous() or partials.numel() < _KERNEL[1] * w.shape[1]:
+    # partials contiguous too: an expanded tensor counts many elements over one float of memory.
+    if w.dim() != 2 or not w.is_contiguous() or not partials.is_contiguous() \
+            or partials.numel() < _KERNEL[1] * w.shape[1]:
         raise ValueError("row_product needs a contiguous 2-D weight and partials from scratch(n)")
 
 
