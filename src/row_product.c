@@ -112,9 +112,9 @@ void flashrt_row_product_portable(int on) {
 /* Picked when the library is loaded, before any caller can race for it. */
 __attribute__((constructor)) static void pick_loops(void) { flashrt_row_product_portable(0); }
 
-/* ``partials`` is scratch of SLABS * n floats; ``threads`` >= 1; ``tiled``: W is in the tiled
- * layout, which needs k a multiple of SLABS * ROWS and n of TILE. Returns 0, or -1 without
- * touching anything when the shape does not allow the layout. */
+/* ``partials`` is scratch of SLABS * n floats; ``threads`` below 1 runs as 1; ``tiled``: W is
+ * in the tiled layout, which needs k a multiple of SLABS * ROWS and n of TILE. Returns 0, or -1
+ * without touching anything when the shape does not allow the layout. */
 int flashrt_row_product(const float *x, const float *w, float *y, float *partials, long k, long n, int threads,
                         int tiled) {
     if (tiled && (k % (SLABS * ROWS) || n % TILE))
