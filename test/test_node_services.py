@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -571,25 +572,37 @@ def test_a_pose_from_before_cleanup_is_forgotten(live):
     assert h.node._latest_pose is None
 
 
-def test_a_status_or_event_that_meets_a_shut_down_context_is_dropped_quietly(capfd):
-    """A SIGTERM shuts the context down while the status timer or a service is between
-    making its message and publishing it. Nobody is left to hear it: that is not a fault to
-    count, and a traceback in the log of a clean stop reads as a crash."""
+@contextmanager
+def _active_node_in_a_context_of_its_own(name: str):
+    """(context, node): the test may shut that context down under the live node."""
     import rclpy
     from rclpy.context import Context
     from rclpy.parameter import Parameter
 
     from flashrt_ros.ros.node import FlashRTNode
-    from ros_harness import SERVICES
 
     context = Context()
     rclpy.init(context=context)
     node = None
     try:
-        node = FlashRTNode("flashrt_stopping", context=context,
+        node = FlashRTNode(name, context=context,
                            parameter_overrides=[Parameter("max_seq_len", value=256), Parameter("status_rate", value=0.0)])
         node.trigger_configure()
         node.trigger_activate()
+        yield context, node
+    finally:
+        if node is not None:
+            node.destroy_node()
+        context.try_shutdown()
+
+
+def test_a_status_or_event_that_meets_a_shut_down_context_is_dropped_quietly(capfd):
+    """A SIGTERM shuts the context down while the status timer or a service is between
+    making its message and publishing it. Nobody is left to hear it: that is not a fault to
+    count, and a traceback in the log of a clean stop reads as a crash."""
+    from ros_harness import SERVICES
+
+    with _active_node_in_a_context_of_its_own("flashrt_stopping") as (context, node):
         node._publish_status()
         assert node._counters["status_failures"] == 0
         context.shutdown()
@@ -599,10 +612,6 @@ def test_a_status_or_event_that_meets_a_shut_down_context_is_dropped_quietly(cap
         node._publish_event("snapshot", None, answer)
         assert node._counters["status_failures"] == 0
         assert "Traceback" not in capfd.readouterr().err
-    finally:
-        if node is not None:
-            node.destroy_node()
-        context.try_shutdown()
 
 
 def test_a_generate_goal_cut_by_shutdown_ends_without_a_traceback(capfd):
@@ -640,27 +649,10 @@ def test_a_generate_goal_cut_by_shutdown_ends_without_a_traceback(capfd):
 def test_a_context_shutdown_with_the_node_alive_is_prompt():
     """Kilted's Context.shutdown destroys the nodes it tracks while holding the context's
     lock, on which the services' thread waits: stopping it waited out a 5 s join."""
-    import rclpy
-    from rclpy.context import Context
-    from rclpy.parameter import Parameter
-
-    from flashrt_ros.ros.node import FlashRTNode
-
-    context = Context()
-    rclpy.init(context=context)
-    node = None
-    try:
-        node = FlashRTNode("flashrt_prompt", context=context,
-                           parameter_overrides=[Parameter("max_seq_len", value=256), Parameter("status_rate", value=0.0)])
-        node.trigger_configure()
-        node.trigger_activate()
+    with _active_node_in_a_context_of_its_own("flashrt_prompt") as (context, _):
         started = time.monotonic()
         context.shutdown()
         assert time.monotonic() - started < 3.0
-    finally:
-        if node is not None:
-            node.destroy_node()
-        context.try_shutdown()
 
 
 def test_stopping_the_services_waits_for_a_handler_in_flight(ros_context):
