@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,3 +224,24 @@ def test_the_engine_keeps_no_part_of_the_checkpoint_file_mapped(tmp_path):
     mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) in line]
     assert not mapped, mapped
     assert engine.prefill(PROMPT).shape == (CFG.vocab_size,)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="torch's x86 kernel levels")
+def test_seeded_weights_are_the_same_bytes_at_every_kernel_level_and_thread_count():
+    # torch.randn, which drew them before, gave other bytes at the DEFAULT level than at AVX2,
+    # and on an Intel CPU than on an AMD one: a capsule or bag of the embedded default made on
+    # one machine was foreign on another. Each level is a fresh process: torch reads it at start.
+    script = ("import torch; from flashrt_ros.runtime import ModelConfig; "
+              "from flashrt_ros.runtime.weights import fingerprint, seeded_weights; "
+              "cfg = ModelConfig.tiny(obs_dim=23, action_dim=7); "
+              "print(torch.backends.cpu.get_cpu_capability(), fingerprint(cfg, seeded_weights(cfg, 0)))")
+    seen = {}
+    for level, threads in (("default", "1"), ("avx2", "2")):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": level, "OMP_NUM_THREADS": threads}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        capability, digest = out.stdout.split()
+        seen[capability] = digest
+    cfg = ModelConfig.tiny(obs_dim=23, action_dim=7)
+    assert set(seen) == {"DEFAULT", "AVX2"}
+    assert set(seen.values()) == {fingerprint(cfg, seeded_weights(cfg, 0))}

@@ -106,27 +106,41 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
             raise CheckpointError(f"tensor {name} holds NaN or infinity: every output would be NaN")
 
 
+def _unit_uniform(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Uniform on [-1, 1) in steps of 2**-23, from integer draws and exact float steps only.
+
+    Not ``torch.randn``: drawn with it at torch's AVX2 kernels, the embedded default
+    came out as different bytes on an AMD EPYC and an Intel Xeon (same torch), so a
+    capsule or bag made on one was foreign to the other. Integer draws from the
+    generator are the same everywhere; so are the conversion of an integer below
+    2**24 and a scaling by a power of two, and every later step here is one IEEE
+    operation.
+    """
+    bits = torch.randint(-(1 << 23), 1 << 23, shape, generator=gen, dtype=torch.int32)
+    return bits.to(torch.float32) * 2.0 ** -23
+
+
 def _seeded(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     # One generator per tensor, keyed by name: a tensor's values do not depend
     # on which other tensors exist, so adding a head never changes the backbone.
     key = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
-    normal = torch.randn(shape, generator=gen)
+    unit = _unit_uniform(shape, gen)
     if name.endswith("A_log"):
-        # Per-token decays exp(-A * softplus(.)) from ~0.3 to ~0.99: some heads
-        # forget fast, some remember long, so the recurrent state carries meaning.
-        return torch.empty(shape).uniform_(0.01, 1.0, generator=gen).log()
+        # A log-uniform on [0.01, 1]: per-token decays exp(-A * softplus(.)) from ~0.3 to
+        # ~0.99, so some heads forget fast and some remember long, and the recurrent state
+        # carries meaning. Uniform in log space, so no log is taken (libm's may differ).
+        return (unit + 1.0) * (0.5 * math.log(0.01))
     if name.endswith("dt_bias"):
-        return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+        return 1.0 + 0.5 * unit                      # on [0.5, 1.5)
+    spread = math.sqrt(3.0) * unit                   # zero mean, unit variance
     if name.endswith("linear_attn.norm.weight"):  # plain weight, centred on one
-        return 1.0 + 0.1 * normal
+        return 1.0 + 0.1 * spread
     if name.endswith("norm.weight") or name.endswith(".bias"):  # zero-centred norms and biases
-        return 0.1 * normal
-    if name.endswith("conv1d.weight"):
-        return normal / math.sqrt(shape[-1])
+        return 0.1 * spread
     if name == "model.embed_tokens.weight":
-        return normal
-    return normal / math.sqrt(shape[-1])
+        return spread
+    return spread / math.sqrt(shape[-1])   # conv1d's last dim is its kernel, a projection's its input
 
 
 def seeded_weights(cfg: ModelConfig, seed: int = 0, names: list[str] | None = None) -> dict[str, torch.Tensor]:
