@@ -22,7 +22,7 @@ import torch
 from ..runtime.projection import ONEDNN_ENV
 from .bag import ENTRY_TOPIC, read_bag
 from .journal import ReplayMismatch, replay
-from .session import engine_for
+from .session import cpu_name, engine_for
 
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
 # torch's x86 kernel levels, lowest first.
@@ -65,9 +65,11 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
         print(f"MISMATCH in {ENTRY_TOPIC}, {exc}", file=sys.stderr)
         print(f"(recorded with torch {session.get('torch', 'unknown')} on "
               f"{session.get('aten_cpu_capability', 'unrecorded')} kernels (oneDNN capped at "
-              f"{session.get('onednn_max_cpu_isa') or 'none'}), replayed with {torch.__version__} on "
-              f"{torch.backends.cpu.get_cpu_capability()} (oneDNN capped at {os.environ.get(ONEDNN_ENV) or 'none'}): "
-              "replay is byte-exact on the same torch, CPU kernels and flashrt_ros build only)", file=sys.stderr)
+              f"{session.get('onednn_max_cpu_isa') or 'none'}) of {session.get('cpu', 'an unrecorded CPU')}, "
+              f"replayed with {torch.__version__} on {torch.backends.cpu.get_cpu_capability()} (oneDNN capped at "
+              f"{os.environ.get(ONEDNN_ENV) or 'none'}) of {cpu_name()}: replay is byte-exact on the same torch, "
+              "CPU kernels and flashrt_ros build only, and MKL's products may round differently on another "
+              "CPU vendor)", file=sys.stderr)
         return 1
     except (KeyError, TypeError, ValueError, AttributeError) as exc:   # an entry missing what its kind needs
         print(f"flashrt-replay: cannot replay {args.bag}: malformed entry ({type(exc).__name__}: {exc})",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -40,6 +41,9 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             # oneDNN's own cap, which follows torch's (cap_onednn_like_torch); shown on a mismatch.
             "onednn_max_cpu_isa": os.environ.get(ONEDNN_ENV, ""),
+            # Shown on a mismatch too: MKL, which runs torch.mm, picks its code by CPU model
+            # and vendor, not only by instruction set.
+            "cpu": cpu_name(),
             # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
             # Prefill's products on oneDNN's blocked weights, or torch.mm: they round differently.
@@ -51,6 +55,19 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # Disk capsules found in capsule_dir at start: the session may restore them.
             "capsule_dir": str(store.dir or ""),
             "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
+
+
+def cpu_name() -> str:
+    """Vendor and model of this machine's CPU, as Linux reports them (else the architecture)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return " ".join(filter(None, (fields.get("vendor_id"), fields.get("model name")))) or platform.machine()
 
 
 def native_kernels(engine: Engine) -> dict[str, str]:
