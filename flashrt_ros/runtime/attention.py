@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# torch's CPU flash kernel called directly, for the log-sum-exp it returns beside its output
+# (scaled_dot_product_attention drops it); None where this torch has no such op.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -19,20 +23,21 @@ class Span:
 
     length: rows [0, length) are read. mask: bool [n, length] (True = attend),
     or None; causal: top-left causal mask, used only when the queries start at
-    row 0 (the fast path for a first prefill).
+    row 0 (the fast path for a first prefill); own: a chunk after a prefix, whose
+    queries are the last ``own`` rows: every earlier row is visible to all of
+    them, and their own rows causally.
     """
 
     length: int
     mask: torch.Tensor | None = None
     causal: bool = False
+    own: int = 0
 
     @staticmethod
     def prefill(start: int, n: int, device: torch.device) -> "Span":
         if start == 0:
             return Span(n, None, causal=n > 1)
-        rows = torch.arange(start + n, device=device)
-        queries = torch.arange(start, start + n, device=device)
-        return Span(start + n, rows[None, :] <= queries[:, None])
+        return Span(start + n, own=n)
 
     @staticmethod
     def decode(position: int) -> "Span":
@@ -56,8 +61,13 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(0, positions, v)
     keys, values = k_cache[:span.length], v_cache[:span.length]
     scale = q.shape[-1] ** -0.5
-    if q.shape[0] == 1:
+    if q.shape[0] == 1:   # a one-token chunk sees every row: ``own`` needs no mask
         return _attend_one(q, keys, values, span.mask, scale)
+    if span.own:
+        start = span.length - span.own
+        if q.device.type == "cpu" and _FLASH_CPU is not None:
+            return _attend_after_prefix(q, keys, values, start, scale)
+        return _attend_grouped(q, keys, values, _chunk_mask(start, span.own, q.device), scale)
     if span.mask is not None:
         return _attend_grouped(q, keys, values, span.mask, scale)
     # Batched (4-D) inputs: with 3-D ones SDPA takes its math path on a CPU, 3x
@@ -66,6 +76,36 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         is_causal=span.causal, scale=scale, enable_gqa=True)[0]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _chunk_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
+    rows = torch.arange(start + n, device=device)
+    queries = torch.arange(start, start + n, device=device)
+    return rows[None, :] <= queries[:, None]
+
+
+def _attend_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                         scale: float) -> torch.Tensor:
+    """A chunk after a prefix on a CPU, as two unmasked passes merged by their log-sum-exps:
+    the prefix, which every query sees whole, and the chunk's own rows, causal among
+    themselves. One masked pass reads a [rows, length] mask; on a CPU that made 64 rows over
+    16k cached ones 1.3x slower than these two passes."""
+    n, hq, d = q.shape
+    kv_heads = keys.shape[1]
+    group = hq // kv_heads
+    k4, v4 = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]          # [1, Hkv, length, D]
+    # The prefix: the query heads that share a KV head are one batch of rows (see _attend_grouped).
+    rows = q.reshape(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
+    before, lse_before = _FLASH_CPU(rows, k4[:, :, :start], v4[:, :, :start], scale=scale)[:2]
+    # The chunk's own rows: top-left causal is right here, as queries and rows are the same n.
+    own_k = k4[:, :, start:].repeat_interleave(group, dim=1)
+    own_v = v4[:, :, start:].repeat_interleave(group, dim=1)
+    own, lse_own = _FLASH_CPU(q.transpose(0, 1)[None], own_k, own_v, is_causal=True, scale=scale)[:2]
+    before, lse_before = before.reshape(hq, n, d), lse_before.reshape(hq, n)
+    own, lse_own = own.reshape(hq, n, d), lse_own.reshape(hq, n)
+    total = torch.logaddexp(lse_before, lse_own)
+    out = before * (lse_before - total).exp()[..., None] + own * (lse_own - total).exp()[..., None]
+    return out.transpose(0, 1).reshape(n, hq * d)
 
 
 def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -259,7 +259,7 @@ class Qwen35:
     def _full_mixer(self, x: torch.Tensor, b: _Block, kv: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor] | None, span: Span) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
-        if n == 1 and b.attend is not None and span.mask is None:   # eager: rows [0, position] are read
+        if n == 1 and b.attend is not None and span.mask is None and not span.own:   # eager decode's rows
             return b.out_proj(b.attend(b.in_proj(x)))
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qk, gate, v = b.in_proj(x).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
@@ -297,7 +297,7 @@ class Qwen35:
         layer, then move the boundary: last hidden state and position counter."""
         x = embeds
         # The C kernels of a native one-token step read RoPE by the position themselves.
-        rope = None if x.shape[0] == 1 and span.mask is None and self._rotates_in_c() else \
+        rope = None if x.shape[0] == 1 and span.mask is None and not span.own and self._rotates_in_c() else \
             (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
         for b in self.blocks:
             kv = self.kv[:, b.slot] if b.kind == FULL else None

@@ -1,0 +1,40 @@
+"""Attention of a prefill chunk after a prefix: the CPU's two merged passes and the masked pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrt_ros.runtime import attention
+from flashrt_ros.runtime.attention import Span, write_and_attend
+
+
+def _exact(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """Softmax attention in float64: query i (row start + i) sees rows [0, start + i]."""
+    n, hq, d = q.shape
+    group = hq // keys.shape[1]
+    k = keys.double().repeat_interleave(group, 1).transpose(0, 1)
+    v = values.double().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * d ** -0.5
+    rows, queries = torch.arange(start + n), torch.arange(start, start + n)
+    scores = scores.masked_fill(rows[None, :] > queries[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, hq * d)
+
+
+@pytest.mark.parametrize("n, start, hq, hkv, d", [(64, 2048, 8, 2, 64), (5, 1, 4, 4, 32), (17, 300, 6, 3, 32),
+                                                  (2, 7, 4, 1, 16)])
+@pytest.mark.parametrize("merged", [True, False])
+def test_a_chunk_after_a_prefix_sees_the_prefix_and_its_own_rows_causally(n, start, hq, hkv, d, merged, monkeypatch):
+    if merged:
+        assert attention._FLASH_CPU is not None, "this torch has no CPU flash op: chunks take the masked pass"
+    else:
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    gen = torch.Generator().manual_seed(n * 1000 + start)
+    q = torch.randn(n, hq, d, generator=gen)
+    k, v = torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv, d, generator=gen)
+    k_cache = torch.randn(start + n + 3, hkv, d, generator=gen)   # rows past the chunk must stay unread
+    v_cache = torch.randn(start + n + 3, hkv, d, generator=gen)
+    out = write_and_attend(q, k, v, k_cache, v_cache, torch.arange(start, start + n),
+                           Span.prefill(start, n, q.device))
+    assert torch.equal(k_cache[start:start + n], k) and torch.equal(v_cache[start:start + n], v)
+    expected = _exact(q, k_cache[:start + n], v_cache[:start + n], start)
+    assert (out.double() - expected).abs().max() < 1e-5
