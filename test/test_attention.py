@@ -38,3 +38,32 @@ def test_a_chunk_after_a_prefix_sees_the_prefix_and_its_own_rows_causally(n, sta
     assert torch.equal(k_cache[start:start + n], k) and torch.equal(v_cache[start:start + n], v)
     expected = _exact(q, k_cache[:start + n], v_cache[:start + n], start)
     assert (out.double() - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_chunk_after_a_prefix_keeps_a_half_precision_dtype(dtype):
+    # The flash op's log-sum-exps are float32 whatever the inputs: merged with them unconverted,
+    # the output came back float32, and the next projection, in the engine's dtype, refused it.
+    gen = torch.Generator().manual_seed(3)
+    n, start, hq, hkv, d = 9, 40, 4, 2, 32
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    k, v = torch.randn(n, hkv, d, generator=gen).to(dtype), torch.randn(n, hkv, d, generator=gen).to(dtype)
+    k_cache = torch.randn(start + n, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(start + n, hkv, d, generator=gen).to(dtype)
+    out = write_and_attend(q, k, v, k_cache, v_cache, torch.arange(start, start + n), Span.prefill(start, n, q.device))
+    assert out.dtype == dtype
+    assert (out.double() - _exact(q, k_cache, v_cache, start)).abs().max() < 0.05
+
+
+def test_a_chunk_whose_rows_are_strided_takes_the_masked_pass(monkeypatch):
+    # The flash op reads a last dimension with a stride as if it had none (garbage out).
+    called = []
+    monkeypatch.setattr(attention, "_attend_after_prefix", lambda *a: called.append(a))
+    gen = torch.Generator().manual_seed(4)
+    n, start, hq, hkv, d = 6, 20, 4, 2, 16
+    q = torch.randn(n, hq, 2 * d, generator=gen)[..., ::2]
+    k, v = torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv, d, generator=gen)
+    k_cache, v_cache = torch.randn(start + n, hkv, d, generator=gen), torch.randn(start + n, hkv, d, generator=gen)
+    out = write_and_attend(q, k, v, k_cache, v_cache, torch.arange(start, start + n), Span.prefill(start, n, q.device))
+    assert not called
+    assert (out.double() - _exact(q, k_cache, v_cache, start)).abs().max() < 1e-5

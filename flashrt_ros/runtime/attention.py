@@ -65,7 +65,9 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _attend_one(q, keys, values, span.mask, scale)
     if span.own:
         start = span.length - span.own
-        if q.device.type == "cpu" and _FLASH_CPU is not None:
+        # The op trusts its inputs: rows that are not contiguous in their last dimension
+        # would read as garbage, where SDPA would have checked them.
+        if q.device.type == "cpu" and _FLASH_CPU is not None and all(t.stride(-1) == 1 for t in (q, keys, values)):
             return _attend_after_prefix(q, keys, values, start, scale)
         return _attend_grouped(q, keys, values, _chunk_mask(start, span.own, q.device), scale)
     if span.mask is not None:
@@ -105,7 +107,7 @@ def _attend_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     own, lse_own = own.reshape(hq, n, d), lse_own.reshape(hq, n)
     total = torch.logaddexp(lse_before, lse_own)
     out = before * (lse_before - total).exp()[..., None] + own * (lse_own - total).exp()[..., None]
-    return out.transpose(0, 1).reshape(n, hq * d)
+    return out.transpose(0, 1).reshape(n, hq * d).to(q.dtype)   # the log-sum-exps are float32 for any q
 
 
 def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
