@@ -127,10 +127,10 @@ def _seeded(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") & (2**63 - 1))
     unit = _unit_uniform(shape, gen)
     if name.endswith("A_log"):
-        # A log-uniform on [0.01, 1]: per-token decays exp(-A * softplus(.)) from ~0.3 to
+        # A log-uniform on [0.01, 1): per-token decays exp(-A * softplus(.)) from ~0.3 to
         # ~0.99, so some heads forget fast and some remember long, and the recurrent state
         # carries meaning. Uniform in log space, so no log is taken (libm's may differ).
-        return (unit + 1.0) * (0.5 * math.log(0.01))
+        return (unit - 1.0) * (-0.5 * math.log(0.01))
     if name.endswith("dt_bias"):
         return 1.0 + 0.5 * unit                      # on [0.5, 1.5)
     spread = math.sqrt(3.0) * unit                   # zero mean, unit variance
