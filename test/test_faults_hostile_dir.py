@@ -230,3 +230,34 @@ def test_a_capsule_is_written_under_its_lock_until_it_is_renamed(tmp_path, monke
     monkeypatch.setattr(diskformat.os, "replace", replace)
     _one_disk_capsule(tmp_path)
     assert seen == [True]
+
+
+def test_a_capsule_file_swapped_for_a_fifo_between_the_check_and_the_open_is_not_opened(tmp_path, monkeypatch):
+    import subprocess
+    import time
+
+    path = _one_disk_capsule(tmp_path)
+    engine = _engine(tmp_path)
+    (capsule,) = engine.capsules.list()
+    engine.prefill([4, 5])
+    before = engine.state_digest()
+    real_open, swaps = diskformat.safe_open, []
+
+    def swap_then_open(name, **kwargs):   # the swap lands after the regular-file check, before the read
+        if not swaps:
+            path.unlink()
+            os.mkfifo(path)
+            swaps.append(name)
+        return real_open(name, **kwargs)
+
+    monkeypatch.setattr(diskformat, "safe_open", swap_then_open)
+    writer = subprocess.Popen(["sh", "-c", f"sleep 20; : > '{path}'"])   # a regression fails, not hangs
+    try:
+        started = time.monotonic()
+        with pytest.raises(CapsuleError, match="not a regular file") as info:
+            engine.restore(capsule.id)   # the header comes from the file checked; the data's open finds the FIFO
+        assert time.monotonic() - started < 10
+    finally:
+        writer.kill()
+        writer.wait()
+    assert swaps and info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == before

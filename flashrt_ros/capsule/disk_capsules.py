@@ -65,11 +65,9 @@ def verified_bytes(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layou
 
 def _header(path: Path, layout: Layout) -> dict:
     """The file's header, read only from a regular file no larger than this layout's capsules
-    make. Checked on every read, not only at start: a file swapped for a FIFO after it was
-    loaded would block the reader (and every thread, as safetensors keeps the interpreter
-    lock while it opens). A swap between this check and the open is not caught."""
-    if not diskformat.is_plain_file(path):
-        raise CorruptCapsule(f"{path.name}: not a regular file")
+    make. Checked on every read, not only at start, and on the file the read opens (see
+    ``diskformat.read_header``): a file swapped for a FIFO after it was loaded would block the
+    reader, and every thread with it."""
     most_header = most_header_chars(layout)
     # The data, and the header twice over (safetensors escapes it inside its own JSON).
     return diskformat.read_header(path, layout.nbytes + 2 * most_header + 4096, most_header)

@@ -11,11 +11,14 @@ capsule id, never from its user-given name. No pickle anywhere.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import stat
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 try:
     import fcntl
@@ -168,6 +171,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@contextmanager
+def _opened_plain(path: Path) -> Iterator[tuple[str, int]]:
+    """(a name that opens the regular file now at ``path``, its size), the file held open
+    meanwhile. The check and the read see one file: a FIFO put in its place after the check
+    would block the reader (safetensors keeps the interpreter lock while it opens), and on
+    Linux the name is the open descriptor's, which a swap of ``path`` does not change.
+    Raises CorruptCapsule for anything but a regular file, CapsuleIOError if it cannot be opened."""
+    try:   # O_NONBLOCK: a FIFO opens at once instead of waiting for a writer; O_NOFOLLOW: no link
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptCapsule(f"{path.name}: not a regular file (a symbolic link)") from None
+        raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCapsule(f"{path.name}: not a regular file")
+        held = f"/proc/self/fd/{fd}"
+        yield (held if os.path.exists(held) else str(path)), info.st_size
+    finally:
+        os.close(fd)
+
+
 def read_header(path: Path, most_bytes: int | None = None, most_header: int | None = None) -> dict:
     """The JSON header, checked for shape; raises CorruptCapsule or CapsuleIOError.
 
@@ -175,16 +201,16 @@ def read_header(path: Path, most_bytes: int | None = None, most_header: int | No
     opened (safetensors maps it whole: a huge sparse file would take memory, or fail to map).
     ``most_header``: the longest header they write (parsed JSON takes some 20 times its text)."""
     try:
-        size = path.stat().st_size
-        if most_bytes is not None and size > most_bytes:
-            raise CorruptCapsule(f"{path.name}: {size} bytes, more than a capsule of this engine's takes "
-                                 f"({most_bytes})")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if list(f.keys()) != ["state"]:
-                raise CorruptCapsule(f"{path.name}: expected one tensor 'state', found {list(f.keys())[:4]}")
-            shape = f.get_slice("state").get_shape()
-            dtype = f.get_slice("state").get_dtype()
+        with _opened_plain(path) as (name, size):
+            if most_bytes is not None and size > most_bytes:
+                raise CorruptCapsule(f"{path.name}: {size} bytes, more than a capsule of this engine's takes "
+                                     f"({most_bytes})")
+            with safe_open(name, framework="pt") as f:
+                meta = f.metadata() or {}
+                if list(f.keys()) != ["state"]:
+                    raise CorruptCapsule(f"{path.name}: expected one tensor 'state', found {list(f.keys())[:4]}")
+                shape = f.get_slice("state").get_shape()
+                dtype = f.get_slice("state").get_dtype()
     except (SafetensorError, RuntimeError) as exc:   # RuntimeError: torch could not map the file
         raise CorruptCapsule(f"{path.name}: not a readable safetensors file ({str(exc)[:200]})") from None
     except OSError as exc:
@@ -216,7 +242,7 @@ def read_data(path: Path, header: dict) -> torch.Tensor:
     """The stored bytes, checked against the header's ``data_digest`` (padding between
     regions included, which the state digest does not cover)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with _opened_plain(path) as (name, _), safe_open(name, framework="pt") as f:
             data = f.get_tensor("state")
         if _data_digest(data) != header.get("data_digest"):
             raise CorruptCapsule(f"{path.name}: stored bytes do not match their data digest")
