@@ -640,3 +640,32 @@ def test_a_pool_allocation_interrupted_as_its_chunk_is_made_loses_no_space(monke
     with pytest.raises(KeyboardInterrupt):
         pool.allocate(1000)
     assert pool._free == before
+
+
+def test_a_snapshot_interrupted_while_it_takes_its_holds_keeps_none_of_them(monkeypatch):
+    """A Ctrl-C is raised between two bytecodes, here right after the new capsule took its hold
+    on the base's shared chunk: the failed snapshot must leave that chunk held by the base
+    alone, or dropping the base would never free its bytes."""
+    from flashrt_ros.capsule import store as store_module
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    engine.prefill(list(range(1, 9)))
+    base = engine.snapshot()
+    engine.capsules.get(base)   # digest done: the base alone holds its chunk
+    engine.generate(1)
+    (base_chunk,) = _chunks(engine.capsules.resolve(base).pieces)
+    assert base_chunk.refs == 1
+
+    def interrupted_after_the_base(pieces):
+        for chunk in _chunks(pieces):
+            yield chunk
+            if chunk is base_chunk:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_module, "_chunks", interrupted_after_the_base)
+    with pytest.raises(KeyboardInterrupt):
+        engine.snapshot()   # shares the base's 8 rows: its pieces start in the base's chunk
+    monkeypatch.undo()
+    assert base_chunk.refs == 1 and [c.id for c in engine.capsules.list()] == [base.id]
+    engine.capsules.drop(base)
+    assert engine.capsules.used_bytes("device") == 0

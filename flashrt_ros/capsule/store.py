@@ -480,10 +480,20 @@ class CapsuleStore:
                            self.model_fingerprint, self.layout.fingerprint, digest, history, self.layout.table)
         # Two holds per chunk while a digest is pending: the record's, and its digest job's
         # (which keeps the chunks alive if the capsule is dropped before it is hashed).
-        for chunk in _chunks(pieces):
-            chunk.refs += 1 if known else 2
-        record = Record(info, pieces, log_runs)
-        self._records[info.id] = record
+        holds, held = 1 if known else 2, []
+        try:
+            for chunk in _chunks(pieces):
+                chunk.refs += holds
+                held.append(chunk)
+            record = Record(info, pieces, log_runs)
+            self._records[info.id] = record
+        except BaseException:
+            # A Ctrl-C lands between two bytecodes: the holds taken so far would keep a base's
+            # shared chunks, which no record names, alive (and counted) for good.
+            self._records.pop(info.id, None)
+            for chunk in held:
+                chunk.refs -= holds
+            raise
         return record
 
     def _release(self, pieces: list[Piece]) -> None:
