@@ -261,3 +261,23 @@ def test_a_capsule_file_swapped_for_a_fifo_between_the_check_and_the_open_is_not
         writer.kill()
         writer.wait()
     assert swaps and info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == before
+
+
+def test_a_capsule_file_grown_between_its_header_and_its_data_is_refused_before_it_is_mapped(tmp_path, monkeypatch):
+    from flashrt_ros.capsule import disk_capsules
+
+    path = _one_disk_capsule(tmp_path)
+    engine = _engine(tmp_path)
+    (capsule,) = engine.capsules.list()
+    before = engine.state_digest()
+    real_header = diskformat.read_header
+
+    def header_then_grow(*args, **kwargs):   # the header read is checked; the file grows after it
+        header = real_header(*args, **kwargs)
+        os.truncate(path, 2 ** 40)
+        return header
+
+    monkeypatch.setattr(disk_capsules.diskformat, "read_header", header_then_grow)
+    with pytest.raises(CapsuleError, match="bytes, more than a capsule of this engine's takes") as info:
+        engine.restore(capsule.id)
+    assert info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == before

@@ -54,7 +54,7 @@ def verified_bytes(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layou
     if merged(ranges) != layout.ranges(info.position):   # what a restore would write, exactly
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} holds other arena ranges "
                              f"than a capsule at position {info.position}")
-    data = diskformat.read_data(path, header)   # its size now known to be the ranges' own
+    data = diskformat.read_data(path, header, most_bytes(layout))   # its size now known to be the ranges' own
     read = range_reader(ranges, data)
     if state_digest(layout.regions, info.position, read) != info.digest:
         raise CorruptCapsule(f"capsule {info.id}: file {path.name} does not match its digest")
@@ -68,9 +68,13 @@ def _header(path: Path, layout: Layout) -> dict:
     make. Checked on every read, not only at start, and on the file the read opens (see
     ``diskformat.read_header``): a file swapped for a FIFO after it was loaded would block the
     reader, and every thread with it."""
-    most_header = most_header_chars(layout)
-    # The data, and the header twice over (safetensors escapes it inside its own JSON).
-    return diskformat.read_header(path, layout.nbytes + 2 * most_header + 4096, most_header)
+    return diskformat.read_header(path, most_bytes(layout), most_header_chars(layout))
+
+
+def most_bytes(layout: Layout) -> int:
+    """A bound on a capsule file of ``layout``: the data, and the header twice over
+    (safetensors escapes it inside its own JSON)."""
+    return layout.nbytes + 2 * most_header_chars(layout) + 4096
 
 
 def most_header_chars(layout: Layout) -> int:

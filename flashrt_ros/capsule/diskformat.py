@@ -172,12 +172,12 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def _opened_plain(path: Path) -> Iterator[tuple[str, int]]:
-    """(a name that opens the regular file now at ``path``, its size), the file held open
-    meanwhile. The check and the read see one file: a FIFO put in its place after the check
-    would block the reader (safetensors keeps the interpreter lock while it opens), and on
-    Linux the name is the open descriptor's, which a swap of ``path`` does not change.
-    Raises CorruptCapsule for anything but a regular file, CapsuleIOError if it cannot be opened."""
+def _opened_plain(path: Path, most_bytes: int | None) -> Iterator[str]:
+    """A name that opens the regular file now at ``path``, the file held open meanwhile. The
+    checks and the read see one file: a FIFO put in its place after the check would block the
+    reader (safetensors keeps the interpreter lock while it opens), and on Linux the name is the
+    open descriptor's, which a swap of ``path`` does not change. Raises CorruptCapsule for
+    anything but a regular file of at most ``most_bytes``, CapsuleIOError if it cannot be opened."""
     try:   # O_NONBLOCK: a FIFO opens at once instead of waiting for a writer; O_NOFOLLOW: no link
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -188,8 +188,11 @@ def _opened_plain(path: Path) -> Iterator[tuple[str, int]]:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise CorruptCapsule(f"{path.name}: not a regular file")
+        if most_bytes is not None and info.st_size > most_bytes:   # before safetensors maps it all
+            raise CorruptCapsule(f"{path.name}: {info.st_size} bytes, more than a capsule of this engine's "
+                                 f"takes ({most_bytes})")
         held = f"/proc/self/fd/{fd}"
-        yield (held if os.path.exists(held) else str(path)), info.st_size
+        yield held if os.path.exists(held) else str(path)
     finally:
         os.close(fd)
 
@@ -201,16 +204,12 @@ def read_header(path: Path, most_bytes: int | None = None, most_header: int | No
     opened (safetensors maps it whole: a huge sparse file would take memory, or fail to map).
     ``most_header``: the longest header they write (parsed JSON takes some 20 times its text)."""
     try:
-        with _opened_plain(path) as (name, size):
-            if most_bytes is not None and size > most_bytes:
-                raise CorruptCapsule(f"{path.name}: {size} bytes, more than a capsule of this engine's takes "
-                                     f"({most_bytes})")
-            with safe_open(name, framework="pt") as f:
-                meta = f.metadata() or {}
-                if list(f.keys()) != ["state"]:
-                    raise CorruptCapsule(f"{path.name}: expected one tensor 'state', found {list(f.keys())[:4]}")
-                shape = f.get_slice("state").get_shape()
-                dtype = f.get_slice("state").get_dtype()
+        with _opened_plain(path, most_bytes) as name, safe_open(name, framework="pt") as f:
+            meta = f.metadata() or {}
+            if list(f.keys()) != ["state"]:
+                raise CorruptCapsule(f"{path.name}: expected one tensor 'state', found {list(f.keys())[:4]}")
+            shape = f.get_slice("state").get_shape()
+            dtype = f.get_slice("state").get_dtype()
     except (SafetensorError, RuntimeError) as exc:   # RuntimeError: torch could not map the file
         raise CorruptCapsule(f"{path.name}: not a readable safetensors file ({str(exc)[:200]})") from None
     except OSError as exc:
@@ -238,11 +237,12 @@ def read_header(path: Path, most_bytes: int | None = None, most_header: int | No
     return header
 
 
-def read_data(path: Path, header: dict) -> torch.Tensor:
+def read_data(path: Path, header: dict, most_bytes: int | None = None) -> torch.Tensor:
     """The stored bytes, checked against the header's ``data_digest`` (padding between
-    regions included, which the state digest does not cover)."""
+    regions included, which the state digest does not cover). ``most_bytes`` as in
+    ``read_header``, checked again: this is another open, and the file may have been swapped."""
     try:
-        with _opened_plain(path) as (name, _), safe_open(name, framework="pt") as f:
+        with _opened_plain(path, most_bytes) as name, safe_open(name, framework="pt") as f:
             data = f.get_tensor("state")
         if _data_digest(data) != header.get("data_digest"):
             raise CorruptCapsule(f"{path.name}: stored bytes do not match their data digest")
