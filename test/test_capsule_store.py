@@ -669,3 +669,20 @@ def test_a_snapshot_interrupted_while_it_takes_its_holds_keeps_none_of_them(monk
     assert base_chunk.refs == 1 and [c.id for c in engine.capsules.list()] == [base.id]
     engine.capsules.drop(base)
     assert engine.capsules.used_bytes("device") == 0
+
+
+def test_a_fork_of_a_disk_capsule_interrupted_before_its_record_keeps_no_host_bytes(tmp_path, monkeypatch):
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128, capsule_dir=tmp_path)
+    engine.prefill(list(range(1, 9)))
+    source = engine.snapshot(tier="disk")
+    store = engine.capsules
+
+    def interrupted(*args, **kwargs):   # the host chunk is filled; the Ctrl-C comes before the record
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_register", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.fork(source)
+    monkeypatch.undo()
+    assert store.used_bytes("host") == 0 and [c.id for c in store.list()] == [source.id]
+

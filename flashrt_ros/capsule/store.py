@@ -385,16 +385,23 @@ class CapsuleStore:
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             source.last_used = time.monotonic()   # in use: the room the fork needs must not cost it
-            if source.info.tier == "disk":
-                data, ranges = self._read_disk(source)
-                chunk = self._allocate("host", data.numel(), spare=source)
-                chunk.data.copy_(data)
-                pieces, tier, nbytes = _pieces_over(chunk, ranges), "host", data.numel()
-            else:
-                pieces, tier, nbytes = list(source.pieces), source.info.tier, 0
+            chunk: Chunk | None = None
+            record: Record | None = None
             known = (source.info.digest, source.info.history_hash) if _digest_final(source) else None
-            record = self._register(pieces, source.info.position, name, tier, False, source.info.id, nbytes,
-                                    source.log, known=known)
+            try:
+                if source.info.tier == "disk":
+                    data, ranges = self._read_disk(source)
+                    chunk = self._allocate("host", data.numel(), spare=source)
+                    chunk.data.copy_(data)
+                    pieces, tier, nbytes = _pieces_over(chunk, ranges), "host", data.numel()
+                else:
+                    pieces, tier, nbytes = list(source.pieces), source.info.tier, 0
+                record = self._register(pieces, source.info.position, name, tier, False, source.info.id, nbytes,
+                                        source.log, known=known)
+            except BaseException:   # a Ctrl-C included: a fork that failed keeps no host bytes
+                if record is None and chunk is not None:
+                    self._free(chunk)
+                raise
             if known is None:
                 self.digests.submit(record, list(pieces))
             self._emit("fork", record.info)
