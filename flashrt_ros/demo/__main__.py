@@ -157,11 +157,18 @@ class Demo:
                 raise StepFailed("the node's services did not appear within 60 s")
         deadline = time.monotonic() + 60
         while True:
-            response = self._wait(self.srv["list_capsules"].call_async(self.srv["list_capsules"].srv_type.Request()))
-            if response.success:
+            listing = self.srv["list_capsules"]
+            try:
+                # Asked again after 5 s: a first answer can be lost when the node sends it before
+                # it has matched this client's reader (Fast DDS then logs "failed to send
+                # response"); waiting 120 s for it failed a loaded test run. Listing changes nothing.
+                response = self._wait(listing.call_async(listing.srv_type.Request()), timeout=5.0)
+            except StepFailed:
+                response = None
+            if response is not None and response.success:
                 return "active"
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise StepFailed(f"node not active: {response.message}")
+                raise StepFailed(f"node not active: {response.message if response is not None else 'no answer'}")
             time.sleep(0.1)
 
     def _timed_generate(self, key: str, prompt: str = "") -> str:
