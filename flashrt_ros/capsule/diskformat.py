@@ -200,8 +200,8 @@ def _opened_plain(path: Path, most_bytes: int | None) -> Iterator[str]:
 def read_header(path: Path, most_bytes: int | None = None, most_header: int | None = None) -> dict:
     """The JSON header, checked for shape; raises CorruptCapsule or CapsuleIOError.
 
-    ``most_bytes``: the largest file this reader's capsules make, checked before the file is
-    opened (safetensors maps it whole: a huge sparse file would take memory, or fail to map).
+    ``most_bytes``: the largest file this reader's capsules make, checked before safetensors
+    opens the file (it maps it whole: a huge sparse file would take memory, or fail to map).
     ``most_header``: the longest header they write (parsed JSON takes some 20 times its text)."""
     try:
         with _opened_plain(path, most_bytes) as name, safe_open(name, framework="pt") as f:
