@@ -67,3 +67,9 @@ def test_a_chunk_whose_rows_are_strided_takes_the_masked_pass(monkeypatch):
     out = write_and_attend(q, k, v, k_cache, v_cache, torch.arange(start, start + n), Span.prefill(start, n, q.device))
     assert not called
     assert (out.double() - _exact(q, k_cache, v_cache, start)).abs().max() < 1e-5
+
+
+def test_a_chunk_after_a_prefix_carries_its_mask_only_where_the_masked_pass_runs():
+    assert Span.prefill(40, 9, torch.device("cpu")).mask is None   # a CPU merges two unmasked passes
+    span = Span.prefill(40, 9, torch.device("meta"))   # another device: built once for every layer
+    assert span.own == 9 and span.mask is not None and tuple(span.mask.shape) == (9, 49)

@@ -37,7 +37,9 @@ class Span:
     def prefill(start: int, n: int, device: torch.device) -> "Span":
         if start == 0:
             return Span(n, None, causal=n > 1)
-        return Span(start + n, own=n)
+        # Built once per chunk where the masked pass is the way (other devices); a CPU merges
+        # two unmasked passes instead (write_and_attend).
+        return Span(start + n, None if device.type == "cpu" else _chunk_mask(start, n, device), own=n)
 
     @staticmethod
     def decode(position: int) -> "Span":
@@ -69,7 +71,8 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # would read as garbage, where SDPA would have checked them.
         if q.device.type == "cpu" and _FLASH_CPU is not None and all(t.stride(-1) == 1 for t in (q, keys, values)):
             return _attend_after_prefix(q, keys, values, start, scale)
-        return _attend_grouped(q, keys, values, _chunk_mask(start, span.own, q.device), scale)
+        mask = span.mask if span.mask is not None else _chunk_mask(start, span.own, q.device)
+        return _attend_grouped(q, keys, values, mask, scale)
     if span.mask is not None:
         return _attend_grouped(q, keys, values, span.mask, scale)
     # Batched (4-D) inputs: with 3-D ones SDPA takes its math path on a CPU, 3x
