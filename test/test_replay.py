@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("rclpy")
 pytest.importorskip("rosbags")
@@ -28,16 +29,21 @@ def _replay_process(*args: str) -> subprocess.CompletedProcess:
 
 
 def _identical(done: subprocess.CompletedProcess, session: dict) -> None:
-    """Passes when a replay of a bag from ``session`` came out identical. On a CPU of another
-    vendor than the recording's it skips, after checking that the mismatch names both CPUs:
-    MKL, which runs torch.mm, chooses its code by vendor as well as by instruction set, and
-    may round differently there, so the replay proves nothing either way."""
+    """Passes when a replay of a bag from ``session`` came out identical. On another platform
+    than the recording's (another CPU vendor, or other vector kernels than it ran, as
+    ATEN_CPU_CAPABILITY can impose) it skips, after checking that the mismatch names both:
+    byte-exact replay is promised on the same platform only (MKL, which runs torch.mm,
+    chooses its code by vendor as well as by instruction set)."""
     if done.returncode == 0 and "identical" in done.stdout:
         return
     recorded, here = session.get("cpu", ""), cpu_name()
-    assert recorded and recorded.split(" ")[0] != here.split(" ")[0], done.stdout + done.stderr
+    kernels = (session.get("aten_cpu_capability"), torch.backends.cpu.get_cpu_capability())
+    other_vendor = recorded.split(" ")[0] != here.split(" ")[0]
+    assert recorded and (other_vendor or kernels[0] != kernels[1]), done.stdout + done.stderr
     assert done.returncode == 1 and recorded in done.stderr and here in done.stderr, done.stdout + done.stderr
-    pytest.skip(f"recorded on {recorded}, replayed on {here}: MKL rounded differently (the mismatch names both)")
+    assert f"on {kernels[0]} kernels" in done.stderr and f"on {kernels[1]} (" in done.stderr, done.stderr
+    pytest.skip(f"recorded on {recorded} at {kernels[0]}, replayed on {here} at {kernels[1]}: "
+                "the products rounded differently (the mismatch names both)")
 
 
 def _tampered(bag: Path, out: Path, kind: str = "step") -> int:

@@ -21,7 +21,8 @@ import torch
 
 from ..runtime.projection import ONEDNN_ENV
 from .bag import ENTRY_TOPIC, read_bag
-from .journal import ReplayMismatch, replay
+from ..errors import InvalidArgument
+from .journal import ReplayMismatch, check_entries, replay
 from .session import cpu_name, engine_for
 
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     args = parser.parse_args(argv)
     try:
         journal = read_bag(args.bag)
+        try:
+            check_entries(journal.entries)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"malformed entry: {exc}") from None
         capability = journal.session.get("aten_cpu_capability")
         if capability is not None and not isinstance(capability, str):
             raise ValueError(f"the session records aten_cpu_capability={capability!r}, not a name")

@@ -86,7 +86,13 @@ class ReplayReport:
 
 
 def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
-    """Apply ``entries`` to ``engine`` in order; raise ReplayMismatch at the first difference."""
+    """Apply ``entries`` to ``engine`` in order; raise ReplayMismatch at the first difference.
+
+    Every entry is checked for what its kind must hold before the first is applied
+    (``check_entries``): a malformed journal is refused as a whole, wherever a replay of its
+    earlier entries would have diverged."""
+    entries = list(entries)
+    check_entries(entries)
     ids: dict[str, str] = {}
     requests = SnapshotRequests()
     report = ReplayReport()
@@ -97,7 +103,6 @@ def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
             code = 0
         except FlashRTError as exc:
             produced, code = {}, int(exc.code)
-        _check_recorded(entry, code)
         _same(entry, "error_code", out["error_code"], code)
         report.entries += 1
         if code:
@@ -167,13 +172,29 @@ _RECORDED = {DECODE: ("token",), STEP: ("action",), SNAPSHOT: ("capsule_id", "st
              DROP: ("state_digest",)}
 
 
-def _check_recorded(entry: Entry, code: int) -> None:
-    """A journal missing an output would replay as identical without checking it: refused."""
-    wanted = ("error_code", "position") + (_RECORDED.get(entry.kind, ()) if code == 0 else ())
-    missing = [key for key in wanted if key not in entry.outcome]
-    if missing:
-        raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) records no {', '.join(missing)}: "
-                              "a journal entry without its outputs cannot be checked")
+# What the request of each kind must hold for it to be applied at all.
+_REQUESTED = {PREFILL: ("token_ids",), STEP: ("observation",), SNAPSHOT: ("tier",), SPILL: ("spill",),
+              RESTORE: ("capsule_id",), DROP: ("capsule_id",)}
+
+
+def check_entries(entries: Iterable[Entry]) -> None:
+    """InvalidArgument naming the first entry that lacks what its kind needs: a request field
+    its call cannot do without, or an output it must have recorded (a journal missing one
+    would replay as identical without checking it). Judged from the journal alone, before
+    anything is replayed, so the verdict does not depend on the machine that replays it."""
+    for entry in entries:
+        if not isinstance(entry.request, dict) or not isinstance(entry.outcome, dict):
+            raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}): request and outcome must be maps")
+        code = entry.outcome.get("error_code")
+        wanted = ("error_code", "position") + (_RECORDED.get(entry.kind, ()) if code == 0 else ())
+        missing = [key for key in wanted if key not in entry.outcome]
+        if missing:
+            raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) records no {', '.join(missing)}: "
+                                  "a journal entry without its outputs cannot be checked")
+        absent = [key for key in _REQUESTED.get(entry.kind, ()) if key not in entry.request]
+        if absent:
+            raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) requests no {', '.join(absent)}: "
+                                  "the call cannot be made again")
 
 
 def _same(entry: Entry, what: str, recorded: Any, replayed: Any) -> None:
