@@ -20,6 +20,7 @@ class ErrorCode(IntEnum):
     IO_ERROR = 8
     INTERNAL = 9
     PREEMPTED = 10
+    UNTRUSTED_CAPSULE = 11
 
 
 def shown(value: object, limit: int = 80) -> str:

@@ -17,8 +17,7 @@ def _engine(folder, **options) -> Engine:
 
 def _reseal(path, **changes) -> None:
     """Rewrite a capsule file with ``changes`` to its header, digests recomputed as anyone can."""
-    header = diskformat.read_header(path)
-    data = diskformat.read_data(path, header)
+    header, data = diskformat.read(path)
     for key in ("version", "data_digest", "header_digest"):
         header.pop(key)
     diskformat.write(path, {**header, **changes}, data)
@@ -41,8 +40,7 @@ def test_a_header_nested_past_any_depth_is_skipped(tmp_path, caplog):
     bad = engine.snapshot("bad", tier="disk")
     engine.close()
     path = diskformat.path_for(tmp_path, bad.id)
-    header = diskformat.read_header(path)
-    data = diskformat.read_data(path, header)
+    header, data = diskformat.read(path)
     from safetensors.torch import save_file
     save_file({"state": data}, str(path), metadata={"flashrt_capsule": "[" * 5_000 + "]" * 5_000})
     assert _engine(tmp_path).capsules.list() == []
@@ -232,7 +230,9 @@ def test_a_capsule_is_written_under_its_lock_until_it_is_renamed(tmp_path, monke
     assert seen == [True]
 
 
-def test_a_capsule_file_swapped_for_a_fifo_between_the_check_and_the_open_is_not_opened(tmp_path, monkeypatch):
+def test_a_capsule_file_swapped_for_a_fifo_after_it_is_opened_is_read_from_the_file_opened(tmp_path, monkeypatch):
+    """A read opens the file once and checks what it opened: a FIFO put in its place after the
+    check neither blocks the reader nor is read."""
     import subprocess
     import time
 
@@ -240,44 +240,47 @@ def test_a_capsule_file_swapped_for_a_fifo_between_the_check_and_the_open_is_not
     engine = _engine(tmp_path)
     (capsule,) = engine.capsules.list()
     engine.prefill([4, 5])
-    before = engine.state_digest()
-    real_open, swaps = diskformat.safe_open, []
+    real_fstat, swaps = diskformat.os.fstat, []
 
-    def swap_then_open(name, **kwargs):   # the swap lands after the regular-file check, before the read
+    def check_then_swap(fd):   # the swap lands after the open, as the regular-file check runs
+        result = real_fstat(fd)
         if not swaps:
             path.unlink()
             os.mkfifo(path)
-            swaps.append(name)
-        return real_open(name, **kwargs)
+            swaps.append(fd)
+        return result
 
-    monkeypatch.setattr(diskformat, "safe_open", swap_then_open)
+    monkeypatch.setattr(diskformat.os, "fstat", check_then_swap)
     writer = subprocess.Popen(["sh", "-c", f"sleep 20; : > '{path}'"])   # a regression fails, not hangs
     try:
         started = time.monotonic()
-        with pytest.raises(CapsuleError, match="not a regular file") as info:
-            engine.restore(capsule.id)   # the header comes from the file checked; the data's open finds the FIFO
+        engine.restore(capsule.id)
         assert time.monotonic() - started < 10
     finally:
         writer.kill()
         writer.wait()
-    assert swaps and info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == before
+    assert swaps and engine.position == capsule.position and engine.state_digest() == capsule.digest
+    with pytest.raises(CapsuleError, match="not a regular file") as info:   # the next read opens the FIFO
+        engine.restore(capsule.id)
+    assert info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == capsule.digest
 
 
-def test_a_capsule_file_grown_between_its_header_and_its_data_is_refused_before_it_is_mapped(tmp_path, monkeypatch):
-    from flashrt_ros.capsule import disk_capsules
-
+def test_a_capsule_file_grown_as_it_is_read_is_read_no_further_than_its_checked_size(tmp_path, monkeypatch):
     path = _one_disk_capsule(tmp_path)
     engine = _engine(tmp_path)
     (capsule,) = engine.capsules.list()
-    before = engine.state_digest()
-    real_header = diskformat.read_header
+    real_fstat, sizes = diskformat.os.fstat, []
 
-    def header_then_grow(*args, **kwargs):   # the header read is checked; the file grows after it
-        header = real_header(*args, **kwargs)
+    def check_then_grow(fd):   # the size is checked; the file grows to 1 TiB (sparse) right after
+        result = real_fstat(fd)
+        sizes.append(result.st_size)
         os.truncate(path, 2 ** 40)
-        return header
+        return result
 
-    monkeypatch.setattr(disk_capsules.diskformat, "read_header", header_then_grow)
+    monkeypatch.setattr(diskformat.os, "fstat", check_then_grow)
+    engine.restore(capsule.id)   # the bytes checked are read, not the terabyte
+    assert sizes and engine.state_digest() == capsule.digest
+    monkeypatch.undo()
     with pytest.raises(CapsuleError, match="bytes, more than a capsule of this engine's takes") as info:
         engine.restore(capsule.id)
-    assert info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == before
+    assert info.value.code == ErrorCode.CORRUPT_CAPSULE and engine.state_digest() == capsule.digest

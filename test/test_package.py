@@ -34,6 +34,7 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 ERROR_CODES = [
     "OK", "UNKNOWN_CAPSULE", "INVALID_ARGUMENT", "FINGERPRINT_MISMATCH", "CORRUPT_CAPSULE",
     "BUDGET_EXCEEDED", "BUSY", "NOT_ACTIVE", "IO_ERROR", "INTERNAL", "PREEMPTED",
+    "UNTRUSTED_CAPSULE",
 ]
 EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill", "digest"]
 

@@ -7,7 +7,7 @@ the records are the store's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -19,56 +19,53 @@ from .info import CapsuleInfo, check_name, is_capsule_id
 from .layout import Layout
 
 
-def load(path: Path, layout: Layout, kinds: frozenset[str],
-         check_compatible: Callable[[CapsuleInfo], None]) -> tuple[CapsuleInfo, tuple]:
-    """The info and boundary log of the capsule file at ``path``, its bytes verified.
-    CorruptCapsule, FingerprintMismatch or CapsuleIOError if it is not one of this engine's."""
-    header = _header(path, layout)
+class DiskCapsule(NamedTuple):
+    """A capsule file as read and checked: what it describes, and its bytes (owned, not mapped)."""
+
+    info: CapsuleInfo
+    log: tuple
+    ranges: list[tuple[int, int]]
+    data: torch.Tensor
+
+
+def read(path: Path, layout: Layout, kinds: frozenset[str], key: bytes | None = None) -> DiskCapsule:
+    """The capsule file at ``path``, with every check a capsule file passes: the one validation,
+    run when the folder is loaded at start and again on each read of a capsule loaded or
+    written before, so that a file one path accepts the other does not refuse.
+    Raises CorruptCapsule (UntrustedCapsule without a valid signature, with a ``key``),
+    FingerprintMismatch for another region table, or CapsuleIOError. Whether the capsule is
+    this engine's model and layout is the store's check (``check_compatible``)."""
+    header, data = diskformat.read(path, most_bytes(layout), most_header_chars(layout), key)
     info = info_from_header(header, layout.table)
+    ranges = [tuple(r) for r in header["ranges"]]
     # What the file holds, whatever the header's own count says.
-    info = info._replace(nbytes=sum(e - s for s, e in header["ranges"]))
+    info = info._replace(nbytes=data.numel())
     if not is_capsule_id(info.id) or path.name != diskformat.path_for(path.parent, info.id).name:
         raise CorruptCapsule(f"{path.name}: not the file of a capsule id (16 hex digits) {info.id!r:.40}")
     if info.position > layout.max_position:
         raise CorruptCapsule(f"{path.name}: position {info.position} is past this arena's "
                              f"{layout.max_position} rows")
-    log_runs = log_from_header(header, info.position, kinds)
-    check_compatible(info)
-    verified_bytes(path, info, log_runs, layout, kinds, header)
-    return info, log_runs
-
-
-def verified_bytes(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layout, kinds: frozenset[str],
-                   header: dict | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """The file's bytes and the arena ranges they fill, read afresh and checked against the
-    capsule it must still describe: ``info`` and ``log_runs`` are what the store holds.
-    ``header``: the file's, when the caller has just read it (``load``), else read here."""
-    if header is None:
-        header = _header(path, layout)
-    if [header.get(k) for k in ("id", "position", "digest", "model_fingerprint", "layout_fingerprint")] != \
-            [info.id, info.position, info.digest, info.model_fingerprint, info.layout_fingerprint]:
-        raise CorruptCapsule(f"capsule {info.id}: file {path.name} no longer describes this capsule")
-    if log_from_header(header, info.position, kinds) != log_runs:   # what a rollback replays
-        raise CorruptCapsule(f"capsule {info.id}: file {path.name} has another boundary log")
-    ranges = [tuple(r) for r in header["ranges"]]
+    log_runs = log_from_header(header, info.position, kinds)   # what a rollback replays
     if merged(ranges) != layout.ranges(info.position):   # what a restore would write, exactly
-        raise CorruptCapsule(f"capsule {info.id}: file {path.name} holds other arena ranges "
-                             f"than a capsule at position {info.position}")
-    data = diskformat.read_data(path, header, most_bytes(layout))   # its size now known to be the ranges' own
-    read = range_reader(ranges, data)
-    if state_digest(layout.regions, info.position, read) != info.digest:
-        raise CorruptCapsule(f"capsule {info.id}: file {path.name} does not match its digest")
-    if history_digest(layout.regions, info.position, read) != info.history_hash:
-        raise CorruptCapsule(f"capsule {info.id}: file {path.name} does not match its history hash")
-    return data, ranges
+        raise CorruptCapsule(f"{path.name}: holds other arena ranges than a capsule at position {info.position}")
+    read_range = range_reader(ranges, data)
+    if state_digest(layout.regions, info.position, read_range) != info.digest:
+        raise CorruptCapsule(f"{path.name}: does not match its digest")
+    if history_digest(layout.regions, info.position, read_range) != info.history_hash:
+        raise CorruptCapsule(f"{path.name}: does not match its history hash")
+    return DiskCapsule(info, log_runs, ranges, data)
 
 
-def _header(path: Path, layout: Layout) -> dict:
-    """The file's header, read only from a regular file no larger than this layout's capsules
-    make. Checked on every read, not only at start, and on the file the read opens (see
-    ``diskformat.read_header``): a file swapped for a FIFO after it was loaded would block the
-    reader, and every thread with it."""
-    return diskformat.read_header(path, most_bytes(layout), most_header_chars(layout))
+def reread(path: Path, info: CapsuleInfo, log_runs: tuple, layout: Layout, kinds: frozenset[str],
+           key: bytes | None = None) -> DiskCapsule:
+    """``read``, refused unless the file still describes exactly the capsule it described when
+    it was loaded or written (``info``, ``log_runs``: what the store holds of it)."""
+    capsule = read(path, layout, kinds, key)
+    if capsule.info != info or capsule.log != log_runs:
+        changed = [k for k in CapsuleInfo._fields if getattr(capsule.info, k) != getattr(info, k)]
+        raise CorruptCapsule(f"capsule {info.id}: file {path.name} no longer describes this capsule "
+                             f"({', '.join(changed) or 'boundary log'} changed)")
+    return capsule
 
 
 def most_bytes(layout: Layout) -> int:

@@ -4,10 +4,11 @@ The file holds one uint8 tensor, ``state``: the capsule's live bytes, range
 after range, and a JSON header under the metadata key ``flashrt_capsule``
 (ids, fingerprints, digest, region table, ranges). The data is covered by the
 capsule digest and (with the padding between regions) by ``data_digest``, the
-header by its own ``header_digest``, so a flipped byte anywhere is caught. It is written to a temp
-file, fsynced, renamed into place and the folder fsynced, so a crash leaves
-either the old set of files or the new one. The file name comes from the
-capsule id, never from its user-given name. No pickle anywhere.
+header by its own ``header_digest``, so a flipped byte anywhere is caught; with a key, the
+header is signed too (``signing``). It is written to a temp file, fsynced, renamed into place
+and the folder fsynced, so a crash leaves either the old set of files or the new one. It is
+read whole into memory the process owns, never mapped. The file name comes from the capsule
+id, never from its user-given name. No pickle anywhere.
 """
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ import hashlib
 import json
 import os
 import stat
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 try:
     import fcntl
@@ -26,9 +25,10 @@ except ImportError:   # no flock (Windows): temp files are told apart by their w
     fcntl = None
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save
 
+from . import signing
 from .errors import CapsuleIOError, CorruptCapsule
 
 SUFFIX = ".capsule"
@@ -41,17 +41,16 @@ def _data_digest(data: torch.Tensor) -> str:
 
 
 def _header_digest(header: dict) -> str:
-    canonical = json.dumps({k: v for k, v in header.items() if k != "header_digest"}, sort_keys=True,
-                           separators=(",", ":"))
-    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(signing.canonical(header, ("header_digest",)), digest_size=16).hexdigest()
 
 
 def path_for(folder: Path, capsule_id: str) -> Path:
     return folder / f"{capsule_id}{SUFFIX}"
 
 
-def write(path: Path, header: dict, data: torch.Tensor) -> None:
-    """Atomically write ``data`` (uint8, host) with ``header``; raises CapsuleIOError."""
+def write(path: Path, header: dict, data: torch.Tensor, key: bytes | None = None) -> None:
+    """Atomically write ``data`` (uint8, host) with ``header``, signed with ``key`` when one is
+    given; raises CapsuleIOError."""
     # The writer's pid in the name: an engine starting on the same folder removes only the
     # debris of writers that are gone, never a file another engine is writing.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -60,6 +59,9 @@ def write(path: Path, header: dict, data: torch.Tensor) -> None:
         held = _hold(tmp)
         data = data.contiguous()
         full = {"version": VERSION, **header, "data_digest": _data_digest(data)}
+        full.pop(signing.FIELD, None)
+        if key is not None:
+            full[signing.FIELD] = signing.sign(key, full)
         full["header_digest"] = _header_digest(full)
         # Serialised here and written into the held file: safetensors' save_file writes a temp
         # file of its own (".tmpXXXXXX") and renames it, and a crash mid-write left that one,
@@ -171,13 +173,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@contextmanager
-def _opened_plain(path: Path, most_bytes: int | None) -> Iterator[str]:
-    """A name that opens the regular file now at ``path``, the file held open meanwhile. The
-    checks and the read see one file: a FIFO put in its place after the check would block the
-    reader (safetensors keeps the interpreter lock while it opens), and on Linux the name is the
-    open descriptor's, which a swap of ``path`` does not change. Raises CorruptCapsule for
-    anything but a regular file of at most ``most_bytes``, CapsuleIOError if it cannot be opened."""
+def read(path: Path, most_bytes: int | None = None, most_header: int | None = None,
+         key: bytes | None = None) -> tuple[dict, torch.Tensor]:
+    """The capsule file's JSON header and its stored bytes, read once into memory this process
+    owns and checked: the framing, the header digest, the signature (with a ``key``) and the
+    data digest. Raises CorruptCapsule (UntrustedCapsule for the signature) or CapsuleIOError.
+
+    The file is opened once (no link followed, a FIFO never waited on), checked to be a
+    regular file of at most ``most_bytes`` before a byte is read, and read with ``read`` calls,
+    never mapped: nothing returned refers to the file's pages, so a file truncated or changed
+    afterwards cannot fault the process or change a byte it holds, and a dropped capsule's
+    blocks are freed. ``most_header``: the longest header this reader's capsules write
+    (parsed JSON takes some 20 times its text)."""
+    blob = _read_whole(path, most_bytes)
+    header_text, start, stored = _framing(blob, path.name)
+    if most_header is not None and len(header_text) > most_header:
+        raise CorruptCapsule(f"{path.name}: a capsule header of {len(header_text)} characters, more than this "
+                             f"engine's capsules write ({most_header})")
+    try:
+        header = json.loads(header_text)
+        if not isinstance(header, dict) or header.get("version") != VERSION:
+            raise CorruptCapsule(f"{path.name}: unsupported capsule header version "
+                                 f"{header.get('version') if isinstance(header, dict) else None!r}")
+    except (ValueError, RecursionError) as exc:   # RecursionError: JSON nested past any header's depth
+        raise CorruptCapsule(f"{path.name}: missing or malformed capsule header ({type(exc).__name__})") from None
+    if header.get("header_digest") != _header_digest(header):
+        raise CorruptCapsule(f"{path.name}: capsule header does not match its header digest")
+    signing.check(key, header, path.name)
+    ranges = header.get("ranges")
+    if (not isinstance(ranges, list)
+            or not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] <= r[1]
+                       for r in ranges)
+            or sum(e - s for s, e in ranges) != stored):
+        raise CorruptCapsule(f"{path.name}: header ranges do not describe the stored bytes")
+    data = blob[start:start + stored]
+    if _data_digest(data) != header.get("data_digest"):
+        raise CorruptCapsule(f"{path.name}: stored bytes do not match their data digest")
+    return header, data
+
+
+def _read_whole(path: Path, most_bytes: int | None) -> torch.Tensor:
+    """Every byte of the regular file at ``path``, in a tensor of its own."""
     try:   # O_NONBLOCK: a FIFO opens at once instead of waiting for a writer; O_NOFOLLOW: no link
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -188,66 +224,43 @@ def _opened_plain(path: Path, most_bytes: int | None) -> Iterator[str]:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise CorruptCapsule(f"{path.name}: not a regular file")
-        if most_bytes is not None and info.st_size > most_bytes:   # before safetensors maps it all
+        if most_bytes is not None and info.st_size > most_bytes:
             raise CorruptCapsule(f"{path.name}: {info.st_size} bytes, more than a capsule of this engine's "
                                  f"takes ({most_bytes})")
-        held = f"/proc/self/fd/{fd}"
-        yield held if os.path.exists(held) else str(path)
+        blob = torch.empty(info.st_size, dtype=torch.uint8)
+        view = memoryview(blob.numpy())
+        done = 0
+        while done < info.st_size:   # the size read by fstat bounds the read, whatever the file becomes
+            got = os.preadv(fd, [view[done:]], done)
+            if got == 0:
+                raise CorruptCapsule(f"{path.name}: the file shrank to {done} bytes while it was read")
+            done += got
+        return blob
+    except OSError as exc:
+        raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
 
 
-def read_header(path: Path, most_bytes: int | None = None, most_header: int | None = None) -> dict:
-    """The JSON header, checked for shape; raises CorruptCapsule or CapsuleIOError.
-
-    ``most_bytes``: the largest file this reader's capsules make, checked before safetensors
-    opens the file (it maps it whole: a huge sparse file would take memory, or fail to map).
-    ``most_header``: the longest header they write (parsed JSON takes some 20 times its text)."""
+def _framing(blob: torch.Tensor, name: str) -> tuple[str, int, int]:
+    """A safetensors file holding one uint8 tensor ``state``, as ``write`` lays it out: an
+    8-byte little-endian header length, the safetensors JSON header, then the tensor's bytes.
+    Returns the capsule header's text (the ``__metadata__`` entry), where the bytes start, and
+    how many there are."""
+    size = blob.numel()
+    length = int.from_bytes(blob[:8].numpy().tobytes(), "little") if size >= 8 else -1
+    if not 0 < length <= size - 8:
+        raise CorruptCapsule(f"{name}: not a readable safetensors file (header length {length} in {size} bytes)")
     try:
-        with _opened_plain(path, most_bytes) as name, safe_open(name, framework="pt") as f:
-            meta = f.metadata() or {}
-            if list(f.keys()) != ["state"]:
-                raise CorruptCapsule(f"{path.name}: expected one tensor 'state', found {list(f.keys())[:4]}")
-            shape = f.get_slice("state").get_shape()
-            dtype = f.get_slice("state").get_dtype()
-    except (SafetensorError, RuntimeError) as exc:   # RuntimeError: torch could not map the file
-        raise CorruptCapsule(f"{path.name}: not a readable safetensors file ({str(exc)[:200]})") from None
-    except OSError as exc:
-        raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None
-    text = meta.get(_KEY, "")
-    if most_header is not None and len(text) > most_header:
-        raise CorruptCapsule(f"{path.name}: a capsule header of {len(text)} characters, more than this "
-                             f"engine's capsules write ({most_header})")
-    try:
-        header = json.loads(text)
-        if not isinstance(header, dict) or header.get("version") != VERSION:
-            raise CorruptCapsule(f"{path.name}: unsupported capsule header version "
-                                 f"{header.get('version') if isinstance(header, dict) else None!r}")
-        sealed = header.get("header_digest") == _header_digest(header)
-    except (ValueError, RecursionError) as exc:   # RecursionError: JSON nested past any header's depth
-        raise CorruptCapsule(f"{path.name}: missing or malformed capsule header ({type(exc).__name__})") from None
-    if not sealed:
-        raise CorruptCapsule(f"{path.name}: capsule header does not match its header digest")
-    ranges = header.get("ranges")
-    if (dtype != "U8" or len(shape) != 1 or not isinstance(ranges, list)
-            or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] <= r[1]
-                       for r in ranges)
-            or sum(e - s for s, e in ranges) != shape[0]):
-        raise CorruptCapsule(f"{path.name}: header ranges do not describe the stored bytes")
-    return header
-
-
-def read_data(path: Path, header: dict, most_bytes: int | None = None) -> torch.Tensor:
-    """The stored bytes, checked against the header's ``data_digest`` (padding between
-    regions included, which the state digest does not cover). ``most_bytes`` as in
-    ``read_header``, checked again: this is another open, and the file may have been swapped."""
-    try:
-        with _opened_plain(path, most_bytes) as name, safe_open(name, framework="pt") as f:
-            data = f.get_tensor("state")
-        if _data_digest(data) != header.get("data_digest"):
-            raise CorruptCapsule(f"{path.name}: stored bytes do not match their data digest")
-        return data
-    except (SafetensorError, RuntimeError) as exc:
-        raise CorruptCapsule(f"{path.name}: unreadable capsule data ({str(exc)[:200]})") from None
-    except OSError as exc:
-        raise CapsuleIOError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+        table = json.loads(blob[8:8 + length].numpy().tobytes())
+        meta, state = table["__metadata__"], table["state"]
+        if set(table) != {"__metadata__", "state"} or not isinstance(meta.get(_KEY), str):
+            raise ValueError(f"entries {sorted(table)[:4]}")
+        count = state["shape"][0]
+        if state["dtype"] != "U8" or state["shape"] != [count] or state["data_offsets"] != [0, count] \
+                or 8 + length + count != size:
+            raise ValueError(f"tensor 'state' {str(state)[:80]} in {size} bytes")
+    except (ValueError, RecursionError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise CorruptCapsule(f"{name}: not a capsule's safetensors layout ({type(exc).__name__}: "
+                             f"{str(exc)[:120]})") from None
+    return meta[_KEY], 8 + length, count

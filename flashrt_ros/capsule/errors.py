@@ -28,6 +28,12 @@ class CorruptCapsule(CapsuleError):
     code = ErrorCode.CORRUPT_CAPSULE
 
 
+class UntrustedCapsule(CorruptCapsule):
+    """A capsule file without a valid signature, read by an engine that has a capsule key."""
+
+    code = ErrorCode.UNTRUSTED_CAPSULE
+
+
 class BudgetExceeded(CapsuleError):
     code = ErrorCode.BUDGET_EXCEEDED
 

@@ -58,10 +58,13 @@ class Piece(NamedTuple):
 class Record:
     """A capsule inside the store: its info, where its bytes are, and its boundary log."""
 
-    __slots__ = ("info", "_pieces", "log", "last_used", "path", "job", "_plans")
+    __slots__ = ("info", "_pieces", "log", "last_used", "path", "file_info", "job", "_plans")
 
     def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
         self.info, self._pieces, self._plans, self.log, self.path = info, pieces, {}, log_runs, path
+        # A disk capsule: the info its file gave when it was loaded or written. Each later read
+        # of the file must give it again (``info`` may differ: a name taken by an older capsule).
+        self.file_info = info if path is not None else None
         self.last_used = time.monotonic()
         self.job = None   # the digest job (see DigestQueue); None: the digest is final
 
@@ -114,9 +117,10 @@ class RestorePlan:
             self.arena = [buffer[q.start:q.end] for q in parts]
             self.capsule = [q.view() for q in parts]
         fixed = _slice(pieces, 0, fixed_bytes)
-        if len(fixed) == 1:  # a view of the capsule's own memory; bytes read from disk belong to nobody
-            owner = fixed[0].chunk
-            self.fixed, self.fixed_owner = fixed[0].view(), (owner if owner.tier != "disk" else None)
+        if len(fixed) == 1 and fixed[0].chunk.tier != "disk":   # a view of the capsule's own memory
+            self.fixed, self.fixed_owner = fixed[0].view(), fixed[0].chunk
+        elif len(fixed) == 1:   # bytes read from a file, which is all held until a copy of its part is
+            self.fixed, self.fixed_owner = fixed[0].view().clone(), None
         else:
             self.fixed, self.fixed_owner = torch.cat([p.view() for p in fixed]), None
 
@@ -189,7 +193,9 @@ class CapsuleStore:
     def __init__(self, layout: Layout, model_fingerprint: str, device: torch.device,
                  budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
                  on_event: Callable[[str, CapsuleInfo], None] | None = None,
-                 lock: Lockable | None = None, log_kinds: Iterable[str] = ()) -> None:
+                 lock: Lockable | None = None, log_kinds: Iterable[str] = (), key: bytes | None = None) -> None:
+        """``key``: sign every capsule file written, and refuse any read without a valid
+        signature (``signing``); None: files carry digests only."""
         unknown = sorted(set(budgets) - set(TIERS), key=repr)
         if unknown:
             raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
@@ -198,6 +204,7 @@ class CapsuleStore:
                 raise InvalidCapsuleRequest(f"budget for {tier} must be an int >= 0, got {value!r}")
         self.layout, self.model_fingerprint, self.device = layout, model_fingerprint, device
         self.log_kinds = frozenset(log_kinds)   # boundary kinds the engine can replay
+        self._key = key
         self.spill = spill
         self._budgets = dict(budgets)
         self._used = {t: 0 for t in TIERS}
@@ -249,6 +256,11 @@ class CapsuleStore:
             if wait:
                 self.digests.finish(record)
             return record.info
+
+    @property
+    def signed(self) -> bool:
+        """Whether capsule files are signed, and unsigned ones refused (a key was given)."""
+        return self._key is not None
 
     def used_bytes(self, tier: str) -> int:
         return self._used[check_tier(tier)]
@@ -676,7 +688,7 @@ class CapsuleStore:
                 info = record.info._replace(tier="disk", nbytes=data.numel())
                 record.path = self._write_disk(info, ranges, data, record.log)
                 record.pieces = []
-                record.info = info
+                record.info = record.file_info = info
         except BudgetExceeded:
             self._evict(record)
             return
@@ -741,7 +753,7 @@ class CapsuleStore:
         folder = self._require_dir()
         self._victims("disk", data.numel())   # refused here, nothing written or evicted yet
         path = diskformat.path_for(folder, info.id)
-        diskformat.write(path, disk_capsules.header_for(info, ranges, log_runs), data)
+        diskformat.write(path, disk_capsules.header_for(info, ranges, log_runs), data, self._key)
         try:
             # Older capsules leave only once the new one is safely on disk: a failed write
             # (a full disk) must not have cost them.
@@ -756,8 +768,12 @@ class CapsuleStore:
         return path
 
     def _read_disk(self, record: Record) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Read and verify a disk capsule's bytes before anyone uses them."""
-        return disk_capsules.verified_bytes(record.path, record.info, record.log, self.layout, self.log_kinds)
+        """Read and verify a disk capsule's bytes before anyone uses them: the same checks as at
+        start, and the file must still describe the capsule it did then."""
+        capsule = disk_capsules.reread(record.path, record.file_info, record.log, self.layout, self.log_kinds,
+                                       self._key)
+        self.check_compatible(capsule.info)
+        return capsule.data, capsule.ranges
 
     def _load_disk(self) -> None:
         folder = self.dir
@@ -775,11 +791,12 @@ class CapsuleStore:
         loaded = []
         for path in files:
             try:
-                info, log_runs = disk_capsules.load(path, self.layout, self.log_kinds, self.check_compatible)
+                capsule = disk_capsules.read(path, self.layout, self.log_kinds, self._key)
+                self.check_compatible(capsule.info)
             except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
                 log.warning("skipping capsule file %s: %s", path.name, exc)
                 continue
-            loaded.append(Record(info, [], log_runs, path))
+            loaded.append(Record(capsule.info, [], capsule.log, path))
         now, names = time.time(), set()
         for record in sorted(loaded, key=lambda r: r.info.created):
             info = record.info

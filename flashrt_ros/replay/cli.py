@@ -21,6 +21,7 @@ import torch
 
 from ..runtime.projection import ONEDNN_ENV
 from .bag import ENTRY_TOPIC, read_bag
+from ..capsule import signing
 from ..errors import InvalidArgument
 from .journal import ReplayMismatch, check_entries, replay
 from .session import cpu_name, engine_for
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     parser.add_argument("--device", default="cpu", help="torch device of the fresh engine (default cpu)")
     parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
                         "(default: the capsule_dir it recorded); they are copied, never changed")
+    parser.add_argument("--capsule-key-file", help="the key file of a session that signed its capsule files")
     args = parser.parse_args(argv)
     try:
         journal = read_bag(args.bag)
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise ValueError(f"the session records torch_threads={threads!r}, not an int >= 1")
             torch.set_num_threads(threads)
-        engine = engine_for(journal.session, args.device, args.capsule_dir)
+        key = signing.load_key(args.capsule_key_file) if args.capsule_key_file else None
+        engine = engine_for(journal.session, args.device, args.capsule_dir, key)
     except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read
         print(f"flashrt-replay: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "obs_dim": engine.config.obs_dim, "action_dim": engine.config.action_dim,
             "rollback_depth": engine.rollback_depth,
             "budgets": {t: store.budget_bytes(t) for t in TIERS}, "spill": store.spill,
-            "disk_tier": store.dir is not None, "model_fingerprint": engine.model_fingerprint,
+            "disk_tier": store.dir is not None, "signed": store.signed, "model_fingerprint": engine.model_fingerprint,
             "layout_fingerprint": engine.layout_fingerprint,
             # Replay is byte-exact on the same kernels: another torch (or another
             # flashrt_ros attention path) may round differently.
@@ -79,14 +79,19 @@ def native_kernels(engine: Engine) -> dict[str, str]:
             "row_ops": row_ops.version() if engine.model.native_glue else ""}
 
 
-def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None) -> Engine:
+def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None,
+               capsule_key: bytes | None = None) -> Engine:
     """A fresh engine like the recorded one; refuses if its fingerprints come out different.
 
     Its disk tier is a new temporary folder, holding copies of the capsules the
     session found at start, taken from ``capsule_dir`` (default: the recorded one).
+    ``capsule_key``: the key a session that signed its capsule files ran with (not recorded).
     """
     if session.get("version") != VERSION:
         raise InvalidArgument(f"session format version {session.get('version')!r}, this replay reads {VERSION}")
+    if session.get("signed", False) and capsule_key is None:
+        raise InvalidArgument("the session signed its capsule files with a key, which is not recorded: "
+                              "pass the same key file with --capsule-key-file")
     preloaded = session.get("preloaded", [])
     if session["disk_tier"]:
         folder = tempfile.mkdtemp(prefix="flashrt-replay-")
@@ -97,6 +102,7 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
                          dtype=getattr(torch, session["dtype"]), max_seq_len=session["max_seq_len"],
                          rollback_depth=session["rollback_depth"], budgets=session["budgets"] or None,
                          spill=session["spill"], capsule_dir=capsule_dir,
+                         capsule_key=capsule_key if session.get("signed", False) else None,
                          cuda_graphs=session.get("cuda_graphs", True),
                          static_shapes=session.get("fixed_shapes", False),
                          prefill_blocked=session.get("prefill_blocked", False),   # older sessions: torch.mm

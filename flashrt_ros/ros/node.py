@@ -33,7 +33,7 @@ from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectoryPoint
 
 from ..action import Generate
-from ..capsule import CapsuleInfo
+from ..capsule import CapsuleInfo, signing
 from ..errors import Busy, ErrorCode, InvalidArgument, NotActive, shown
 from ..msg import CapsuleEvent, RuntimeStatus
 from ..replay import journal as J
@@ -198,6 +198,7 @@ class FlashRTNode(LifecycleNode):
                     cuda_graphs=vals["cuda_graphs"], prefill_blocked=vals["prefill_blocked"],
                     decode_native=vals["decode_native"],
                     capsule_dir=vals["capsule_dir"] or None,
+                    capsule_key=signing.load_key(vals["capsule_key_file"]) if vals["capsule_key_file"] else None,
                     budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
         engine = Engine.load(vals["model_path"], seed=vals["seed"],
                              policy_dims=(vals["policy.obs_dim"], vals["policy.action_dim"]), **opts)

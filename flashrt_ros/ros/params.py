@@ -61,6 +61,9 @@ PARAMS = (
           "products, attention layers, norms), and prefill's linear-attention layers, where it is built (faster "
           "decode and prefill; falls back to torch where not)"),
     Param("capsule_dir", "", "folder of the disk tier; capsules found there are loaded at configure"),
+    Param("capsule_key_file", "", "file holding a key (16 bytes or more) that signs every capsule file; files "
+          "without a valid signature are refused (UNTRUSTED_CAPSULE); empty = digests only, which catch "
+          "accidents, not deliberate edits"),
     Param("default_tier", "device", "tier of a Snapshot whose request leaves tier empty", read_only=False,
           choices=TIERS),
     Param("budgets.device_mb", 0, "device-tier budget in MiB; 0 = 8 x the arena", lo=0, hi=1 << 24),

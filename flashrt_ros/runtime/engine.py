@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
+from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout, signing
 from ..capsule.errors import CapsuleError, CorruptCapsule
 from ..errors import FlashRTError, InvalidArgument, Preempted, shown
 from . import inputs, weights as weights_io
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OPTIONS = {"cuda_graphs": True, "static_shapes": False, "prefill_chunk": 512, "flush_denormal": True,
             "decode_threads": 0, "prefill_blocked": True, "decode_native": True, "capsule_dir": None, "budgets": None,
-            "spill": True, "rollback_depth": 8}
+            "spill": True, "rollback_depth": 8, "capsule_key": None}
 
 
 class Engine:
@@ -58,6 +58,9 @@ class Engine:
         not copied). False keeps one copy. The two round differently: a rollback replays
         with the engine's own setting. ``engine.prefill_blocked`` says whether any
         product runs on a blocked copy.
+      capsule_key: bytes that sign every capsule file written (HMAC-SHA256); files without
+        a valid signature are then refused, at start and on restore (``capsule.signing``).
+        None (default): files carry digests, which catch accidents, not deliberate edits.
       decode_native: on a CPU in float32, one-row products (decode and policy steps) run
         on the C kernel of ``runtime.row_product`` where it is built (default True),
         and so do the attention layers between them (``runtime.delta_step``,
@@ -93,6 +96,10 @@ class Engine:
             # "" would read as the working directory to a Path and as no disk tier to the store.
             raise InvalidArgument(f"capsule_dir must be a non-empty path without NUL bytes (None: no disk tier), "
                                   f"got {folder!r:.60}")
+        key = opts["capsule_key"]
+        if key is not None and (not isinstance(key, bytes) or not signing.MIN_KEY_BYTES <= len(key) <= signing.MAX_KEY_BYTES):
+            raise InvalidArgument(f"capsule_key must be None or {signing.MIN_KEY_BYTES} to {signing.MAX_KEY_BYTES} "
+                                  f"bytes (signing.load_key reads a key file), got {type(key).__name__}")
         for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill", "prefill_blocked", "decode_native"):
             if not isinstance(opts[key], bool):   # bool("false") is True
                 raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
@@ -159,7 +166,7 @@ class Engine:
         self.capsules = CapsuleStore(
             Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
             self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"], lock=self._lock,
-            log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE))
+            log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE), key=opts["capsule_key"])
         self._log = BoundaryLog()
         self._ring = RollbackRing(depth, self.arena.fixed_bytes, self.device)
         self.capsules.before_free.append(self._ring.unborrow)
