@@ -140,6 +140,13 @@ $(VENV_STAMP):
 	  if ! command -v colcon >/dev/null; then
 	    extra="-r $(REQ)/build.txt"
 	  fi
+	  # The platform's torch stays: on a Jetson, JetPack's CUDA build, which a pin would replace.
+	  if ! "$(VENV)/bin/python" -c "import torch" 2>/dev/null; then
+	    if [ "$$(uname -m)" != x86_64 ]; then
+	      echo "no torch in this Python: install the platform's build first (README: Jetson Thor)" >&2; exit 2
+	    fi
+	    extra="$$extra $$(grep -m1 '^torch==' "$(REQ)/runtime.txt")"
+	  fi
 	  "$(VENV)/bin/python" -m pip install -q -c "$(VENV)/constraints-system.txt" \
 	    -r "$(REQ)/system-ros.txt" $$extra
 	fi
@@ -175,7 +182,7 @@ $(BUILD_STAMP): $(VENV_STAMP) $(BUILD_INPUTS)
 	fi
 	# MAKEFLAGS: -j without colcon's load limit (-l), which idles a busy 2-core box.
 	MAKEFLAGS="-j$(NPROC)" colcon build --executor sequential --symlink-install \
-	  $(if $(filter wheels,$(ROS_MODE)),--cmake-args -G Ninja -DBUILD_TESTING=OFF \
+	  $(if $(filter wheels,$(ROS_MODE)),--cmake-args -G Ninja -DBUILD_TESTING=ON \
 	    "-DCMAKE_PROJECT_INCLUDE=$(CURDIR)/cmake/ros_wheels_fixups.cmake" \
 	    "-DPython3_EXECUTABLE=$(VENV)/bin/python") || {
 	  if [ -n "$$rest" ]; then wait "$$rest" || true; fi

@@ -4,17 +4,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("rclpy")
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[1]
+from install_space import PREFIX  # noqa: E402
 
 
-@pytest.mark.skipif(not (ROOT / "install" / "flashrt_ros").is_dir(), reason="needs the colcon install space")
+@pytest.mark.skipif(not PREFIX.is_dir(), reason="needs the colcon install space")
 def test_demo_runs_every_step_and_writes_its_pictures(tmp_path):
     env = dict(os.environ)
     env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)  # the demo sets LOCALHOST for both of its processes

@@ -13,10 +13,11 @@ import pytest
 pytest.importorskip("rclpy")
 
 from flashrt_ros.errors import ErrorCode  # noqa: E402
+from install_space import EXECUTABLES  # noqa: E402
 from ros_harness import SERVICES, wait_future  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-EXECUTABLE = ROOT / "install" / "flashrt_ros" / "lib" / "flashrt_ros" / "flashrt_node"
+EXECUTABLE = EXECUTABLES / "flashrt_node"
 
 
 @pytest.mark.skipif(not EXECUTABLE.exists(), reason="needs the colcon install space (make test builds it)")

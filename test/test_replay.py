@@ -15,10 +15,11 @@ pytest.importorskip("rosbags")
 from flashrt_ros.replay.bag import read_bag, write_bag  # noqa: E402
 from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
 from flashrt_ros.replay.session import cpu_name  # noqa: E402
+from install_space import EXECUTABLES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "bags" / "attempt_with_rollback"
-REPLAY = ROOT / "install" / "flashrt_ros" / "lib" / "flashrt_ros" / "flashrt-replay"
+REPLAY = EXECUTABLES / "flashrt-replay"
 
 
 def _replay_process(*args: str) -> subprocess.CompletedProcess:
