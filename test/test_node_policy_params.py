@@ -247,8 +247,10 @@ def test_launch_file_declares_its_arguments_and_names_the_installed_parts():
     kw = {k.arg: k.value for k in node.keywords}
     assert kw["package"].value == "flashrt_ros" and kw["executable"].value == "flashrt_node"
     assert kw["name"].value == "flashrt"
+    assert getattr(kw["parameters"].func, "id", "") == "node_parameters"
     assert '"config", "flashrt.yaml"' in source and "get_package_share_directory" in source
-    installed = ROOT / "install" / "flashrt_ros"
+    from install_space import PREFIX as installed
+
     if installed.is_dir():
         assert (installed / "lib" / "flashrt_ros" / "flashrt_node").stat().st_mode & 0o111
         assert (installed / "share" / "flashrt_ros" / "config" / "flashrt.yaml").is_file()
@@ -262,6 +264,47 @@ def test_launch_file_declares_its_arguments_and_names_the_installed_parts():
     spec.loader.exec_module(module)
     description = module.generate_launch_description()
     assert any(isinstance(e, launch_ros.actions.LifecycleNode) for e in description.entities)
+
+
+def test_the_jetson_thor_profile_names_only_known_parameters_and_a_node_takes_them():
+    import yaml
+    from rclpy.context import Context
+    import rclpy
+
+    from flashrt_ros.ros import params
+    from flashrt_ros.ros.node import FlashRTNode
+
+    profile = ROOT / "config" / "jetson_thor.yaml"
+    flat = {}
+
+    def walk(prefix, tree):
+        for key, value in tree.items():
+            name = f"{prefix}.{key}" if prefix else key
+            walk(name, value) if isinstance(value, dict) else flat.__setitem__(name, value)
+
+    walk("", yaml.safe_load(profile.read_text())["/**"]["ros__parameters"])
+    assert set(flat) <= {p.name for p in params.PARAMS}
+    assert all(params._reason(name, value) == "" for name, value in flat.items())
+    assert params.check_together({p.name: p.default for p in params.PARAMS} | flat) == ""
+    assert (flat["device"], flat["dtype"], flat["cuda_graphs"], flat["autostart"]) == ("cuda", "bfloat16", True, True)
+    context = Context()
+    rclpy.init(context=context, args=["--ros-args", "--params-file", str(profile)])
+    try:
+        node = FlashRTNode(context=context)   # rclpy checks every value's type against its descriptor
+        assert {name: node.get_parameter(name).value for name in flat} == flat
+        node.destroy_node()
+    finally:
+        rclpy.shutdown(context=context)
+
+
+def test_the_params_file_decides_autostart_unless_the_launch_argument_is_given():
+    from flashrt_ros.ros.launch_args import node_parameters
+
+    assert node_parameters("mine.yaml", "") == ["mine.yaml"]
+    assert node_parameters("mine.yaml", "true") == ["mine.yaml", {"autostart": True}]
+    assert node_parameters("mine.yaml", "False") == ["mine.yaml", {"autostart": False}]
+    with pytest.raises(ValueError, match="use true or false"):
+        node_parameters("mine.yaml", "yes please")
 
 
 def test_observations_during_a_goal_are_dropped_not_interleaved_with_its_tokens(ros_context):
