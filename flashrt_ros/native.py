@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None where it is not built or cannot be loaded."""
-    for path in sorted(Path(__file__).parent.glob("_native*.so")):
+    import flashrt_ros   # its __path__: this folder, and the installed one from a source checkout
+
+    for path in [p for folder in flashrt_ros.__path__ for p in sorted(Path(folder).glob("_native*.so"))]:
         try:
             return ctypes.CDLL(str(path))
         except OSError as exc:
