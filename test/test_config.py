@@ -101,4 +101,3 @@ def test_fields_left_out_take_the_defaults_transformers_gives_them():
     raw = {k: v for k, v in raw.items() if k not in omitted}
     ours, theirs = ModelConfig.from_hf_config(raw), Qwen3_5TextConfig(**raw)
     assert {k: getattr(ours, k) for k in omitted} == {k: getattr(theirs, k) for k in omitted}
-

@@ -126,6 +126,23 @@ def test_flashrt_ros_imports_from_the_install_space_not_the_source_tree() -> Non
     assert str(SOURCE_ROOT) not in sys.path
 
 
+def test_the_readme_commands_run_from_the_repository_root_where_the_source_tree_comes_first() -> None:
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}   # the root is sys.path[0]
+    done = subprocess.run([sys.executable, "-m", "flashrt_ros.bt.examples", "--help"], cwd=SOURCE_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "attempt-with-rollback" in done.stdout, done.stderr
+    probe = ("import flashrt_ros, flashrt_ros.action, flashrt_ros.native as n; "
+             "print(flashrt_ros.__path__[0]); print(n.library() is not None)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=SOURCE_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, native = done.stdout.split()
+    assert Path(first) == SOURCE_ROOT / "flashrt_ros" and native == "True"
+
+
 def test_generated_interfaces_live_in_the_same_package_as_the_python_code() -> None:
     import flashrt_ros
 
