@@ -35,19 +35,15 @@ def runtime_requirements() -> list[str]:
     return reqs
 
 
-# The package's small C library (decode's one-row products and attention layers, prefill's
-# linear attention), loaded with ctypes (flashrt_ros/native.py), so it is built like an
-# extension but defines no Python module; and the capsules' span copies, a true extension module
-# (flashrt_ros/capsule/span_copy.py says why). Optional: without a C compiler the install still
-# succeeds and torch does that work.
+# The CPU backend's small C library (few-row products, the Gated DeltaNet mixer), loaded with
+# ctypes (flashrt_ros/runtime/backends/cpu/library.py), so it is built like an extension but
+# defines no Python module. Optional: without a C compiler the install still succeeds and torch
+# does that work.
 NATIVE = Extension("flashrt_ros._native",
-                   sources=["src/row_product.c", "src/row_ops.c", "src/delta_step.c", "src/attention_step.c"],
+                   sources=["src/row_product.c", "src/delta_step.c"],
                    depends=["src/fma_loops.h", "src/fp_mode.h"],
                    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fopenmp"],
                    extra_link_args=["-fopenmp"], libraries=["m"], optional=True)
-SPAN_COPY = Extension("flashrt_ros._span_copy", sources=["src/span_copy_module.c", "src/copy_spans.c"],
-                      depends=["src/copy_spans.h"], extra_compile_args=["-O3", "-fno-fast-math", "-fopenmp"],
-                      extra_link_args=["-fopenmp"], optional=True)
 
 setup(
     name="flashrt_ros",
@@ -56,5 +52,5 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["flashrt_ros", "flashrt_ros.runtime*", "flashrt_ros.capsule*"]),
     install_requires=runtime_requirements(),
-    ext_modules=[NATIVE, SPAN_COPY],
+    ext_modules=[NATIVE],
 )

@@ -1,19 +1,15 @@
-/* y = x W for ONE float32 row x [k] and a W [k, n], row-major or tiled: the products of a decode
- * step on a CPU (see flashrt_ros/runtime/row_product.py for why this is not left to BLAS).
+/* y = x W for a few float32 rows x [m, k] and a row-major W [k, n]: the products of decode steps
+ * (m = 1) and of speculative verify rows (m > 1) on a CPU; see
+ * flashrt_ros/runtime/backends/cpu/row_product.py for why this is not left to BLAS.
  *
- * W is cut along k into SLABS slabs of consecutive rows. Each slab's partial row is one FMA
- * chain per output, in row order; the partial rows are then added in slab order. The slab
- * count is fixed, so the bytes of y depend neither on the thread count nor on the machine:
- * fmaf rounds once wherever it runs (one instruction, or glibc's exact fallback), and the
- * vector width only changes how many outputs advance together, never any output's order.
- * Threads take whole slabs: with two, each streams one contiguous half of W.
- *
- * Tiled, each block of ROWS rows is stored as tiles of ROWS x TILE (all ROWS rows of TILE
- * consecutive columns, row-major), tile after tile: a slab is then read as ONE sequential
- * stream, where the row-major loop reads ROWS rows side by side (ROWS streams n floats apart,
- * which the hardware prefetchers follow less well: 28 against 35 GB/s over the bench model's
- * weights, where a plain sum read 38). Every output's FMA chain is the same, in the same
- * order: the two layouts give the same bytes.
+ * W is cut along k into SLABS slabs of consecutive rows. For every row of x, each slab's partial
+ * row is one FMA chain per output, in W's row order; the partial rows are then added in slab
+ * order. Nothing in an output's arithmetic depends on m, on the thread count or on the machine:
+ * a row gives the same bytes alone or among others (batch invariance, which lets a verify over
+ * several rows match single-row steps bit for bit), fmaf rounds once wherever it runs (one
+ * instruction, or glibc's exact fallback), and the vector width only changes how many outputs
+ * advance together, never any output's order. Threads take whole slabs, so with two each streams
+ * one contiguous half of W once, for all m rows.
  */
 #include <stddef.h>
 
@@ -25,103 +21,77 @@
 #endif
 
 #define SLABS 8
-#define ROWS 8   /* rows folded into one pass over the partial row: it is read and written once per ROWS */
-#define TILE 8   /* columns of a tile in the tiled layout */
+#define ROWS 8     /* rows of W folded into one pass over a partial row: it is read and written once per ROWS */
+#define MAX_M 8    /* rows of x in one call: the partials are SLABS * m * n floats */
 
-/* The slab loops, compiled twice on x86 (see fma_loops.h). */
+/* One slab for every row of x, compiled twice on x86 (see fma_loops.h). */
 #define SLAB_PRODUCT(NAME, ATTRIBUTES)                                                          \
-    ATTRIBUTES static void NAME(const float *restrict x, const float *restrict w,               \
+    ATTRIBUTES static void NAME(const float *restrict x, long ldx, long m, const float *restrict w, \
                                 float *restrict partial, long rows, long n) {                   \
-        for (long j = 0; j < n; j++)                                                            \
+        for (long j = 0; j < m * n; j++)                                                        \
             partial[j] = 0.0f;                                                                  \
         long i = 0;                                                                             \
         for (; i + ROWS <= rows; i += ROWS) {                                                   \
             const float *restrict block = w + i * n;                                            \
-            float xs[ROWS];                                                                     \
-            for (int r = 0; r < ROWS; r++)                                                      \
-                xs[r] = x[i + r];                                                               \
-            _Pragma("omp simd")                                                                 \
-            for (long j = 0; j < n; j++) {                                                      \
-                float acc = partial[j];                                                         \
-                _Pragma("GCC unroll 8")                                                         \
+            for (long q = 0; q < m; q++) {                                                      \
+                float xs[ROWS];                                                                 \
                 for (int r = 0; r < ROWS; r++)                                                  \
-                    acc = __builtin_fmaf(xs[r], block[r * n + j], acc);                         \
-                partial[j] = acc;                                                               \
+                    xs[r] = x[q * ldx + i + r];                                                 \
+                float *restrict out = partial + q * n;                                          \
+                _Pragma("omp simd")                                                             \
+                for (long j = 0; j < n; j++) {                                                  \
+                    float acc = out[j];                                                         \
+                    _Pragma("GCC unroll 8")                                                     \
+                    for (int r = 0; r < ROWS; r++)                                              \
+                        acc = __builtin_fmaf(xs[r], block[r * n + j], acc);                     \
+                    out[j] = acc;                                                               \
+                }                                                                               \
             }                                                                                   \
         }                                                                                       \
         for (; i < rows; i++) {                                                                 \
-            const float xi = x[i];                                                              \
             const float *restrict row = w + i * n;                                              \
-            _Pragma("omp simd")                                                                 \
-            for (long j = 0; j < n; j++)                                                        \
-                partial[j] = __builtin_fmaf(xi, row[j], partial[j]);                            \
-        }                                                                                       \
-    }
-
-/* The same for the tiled layout, where rows is a multiple of ROWS and n of TILE. */
-#define TILED_SLAB_PRODUCT(NAME, ATTRIBUTES)                                                    \
-    ATTRIBUTES static void NAME(const float *restrict x, const float *restrict w,               \
-                                float *restrict partial, long rows, long n) {                   \
-        for (long j = 0; j < n; j++)                                                            \
-            partial[j] = 0.0f;                                                                  \
-        for (long i = 0; i < rows; i += ROWS) {                                                 \
-            const float *restrict block = w + i * n;                                            \
-            float xs[ROWS];                                                                     \
-            for (int r = 0; r < ROWS; r++)                                                      \
-                xs[r] = x[i + r];                                                               \
-            for (long t = 0; t < n; t += TILE) {                                                \
-                const float *restrict tile = block + t * ROWS;                                  \
-                float acc[TILE];                                                                \
-                for (int c = 0; c < TILE; c++)                                                  \
-                    acc[c] = partial[t + c];                                                    \
-                _Pragma("GCC unroll 8")                                                         \
-                for (int r = 0; r < ROWS; r++)                                                  \
-                    for (int c = 0; c < TILE; c++)                                              \
-                        acc[c] = __builtin_fmaf(xs[r], tile[r * TILE + c], acc[c]);             \
-                for (int c = 0; c < TILE; c++)                                                  \
-                    partial[t + c] = acc[c];                                                    \
+            for (long q = 0; q < m; q++) {                                                      \
+                const float xi = x[q * ldx + i];                                                \
+                float *restrict out = partial + q * n;                                          \
+                _Pragma("omp simd")                                                             \
+                for (long j = 0; j < n; j++)                                                    \
+                    out[j] = __builtin_fmaf(xi, row[j], out[j]);                                \
             }                                                                                   \
         }                                                                                       \
     }
 
-typedef void (*slab_fn)(const float *, const float *, float *, long, long);
+typedef void (*slab_fn)(const float *, long, long, const float *, float *, long, long);
 
 SLAB_PRODUCT(slab_portable, )
-TILED_SLAB_PRODUCT(tiled_portable, )
 #ifdef FMA_LOOPS
 SLAB_PRODUCT(slab_fma, FMA_ATTRIBUTES)
-TILED_SLAB_PRODUCT(tiled_fma, FMA_ATTRIBUTES)
 
 static slab_fn pick_slab(void) { return has_fma() ? slab_fma : slab_portable; }
-static slab_fn pick_tiled(void) { return has_fma() ? tiled_fma : tiled_portable; }
 #else
 static slab_fn pick_slab(void) { return slab_portable; }
-static slab_fn pick_tiled(void) { return tiled_portable; }
 #endif
 
-/* Read once per call (atomically: a test may switch them meanwhile). */
-static slab_fn slab_product, tiled_product;
+/* Read once per call (atomically: a test may switch it meanwhile). */
+static slab_fn slab_product;
 
 /* Run the portable loops even where the FMA ones serve (on != 0), or pick again: for the test
  * that both give the same bytes. */
 void flashrt_row_product_portable(int on) {
     __atomic_store_n(&slab_product, on ? slab_portable : pick_slab(), __ATOMIC_RELAXED);
-    __atomic_store_n(&tiled_product, on ? tiled_portable : pick_tiled(), __ATOMIC_RELAXED);
 }
 
 /* Picked when the library is loaded, before any caller can race for it. */
 __attribute__((constructor)) static void pick_loops(void) { flashrt_row_product_portable(0); }
 
-/* ``partials`` is scratch of SLABS * n floats; ``threads`` below 1 runs as 1; ``tiled``: W is
- * in the tiled layout, which needs k a multiple of SLABS * ROWS and n of TILE. Returns 0, or -1
- * without touching anything when the shape does not allow the layout. */
-int flashrt_row_product(const float *x, const float *w, float *y, float *partials, long k, long n, int threads,
-                        int tiled) {
-    if (tiled && (k % (SLABS * ROWS) || n % TILE))
+/* x [m, k], y [m, n], both row-major; ``partials`` is scratch of SLABS * m * n floats; ``threads``
+ * below 1 runs as 1. Returns 0, or -1 without touching anything when m is not in [1, MAX_M]. */
+int flashrt_row_product(const float *x, const float *w, float *y, float *partials, long m, long k, long n,
+                        int threads) {
+    if (m < 1 || m > MAX_M)
         return -1;
-    if (threads < 1)   /* as the delta and attention kernels do: OpenMP leaves num_threads(0) undefined */
+    if (threads < 1)   /* OpenMP leaves num_threads(0) undefined */
         threads = 1;
-    const slab_fn slab = __atomic_load_n(tiled ? &tiled_product : &slab_product, __ATOMIC_RELAXED);
+    const slab_fn slab = __atomic_load_n(&slab_product, __ATOMIC_RELAXED);
     const fp_mode mode = get_fp_mode();
 #pragma omp parallel num_threads(threads)
     {
@@ -130,24 +100,22 @@ int flashrt_row_product(const float *x, const float *w, float *y, float *partial
 #pragma omp for schedule(static)
         for (int s = 0; s < SLABS; s++) {
             const long first = s * k / SLABS, last = (s + 1) * k / SLABS;
-            slab(x + first, w + first * n, partials + s * n, last - first, n);
+            slab(x + first, k, m, w + first * n, partials + s * m * n, last - first, n);
         }
         set_fp_mode(own);
     }
-    for (long j = 0; j < n; j++) {
+    for (long j = 0; j < m * n; j++) {
         float sum = partials[j];
         for (int s = 1; s < SLABS; s++)
-            sum += partials[s * n + j];
+            sum += partials[s * m * n + j];
         y[j] = sum;
     }
     return 0;
 }
 
-/* The tiled layout's tile: ROWS rows of TILE columns. */
-int flashrt_row_product_tile_rows(void) { return ROWS; }
-int flashrt_row_product_tile_columns(void) { return TILE; }
-
 int flashrt_row_product_slabs(void) { return SLABS; }
+int flashrt_row_product_max_rows(void) { return MAX_M; }
 
-/* Bumped whenever a change could alter a product's bytes: journals record it. */
-int flashrt_row_product_version(void) { return 1; }
+/* Bumped whenever a change could alter a product's bytes: journals record it. Version 2 takes
+ * m rows; a row's bytes are version 1's row-major ones. */
+int flashrt_row_product_version(void) { return 2; }

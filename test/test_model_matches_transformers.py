@@ -22,8 +22,8 @@ CONFIGS = {
         num_attention_heads=2, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32,
         linear_conv_kernel_dim=1),   # no conv state at all: its window slicing must still hold
-    # Projections of 512 KiB and more: prefill multiplies them on oneDNN's blocked copies (x86).
-    "wide_blocked_prefill": ModelConfig.tiny(vocab_size=300, hidden_size=512, intermediate_size=1024),
+    # Projections of 512 KiB and more: wide enough that the products split their work over threads.
+    "wide": ModelConfig.tiny(vocab_size=300, hidden_size=512, intermediate_size=1024),
 }
 
 
@@ -53,23 +53,24 @@ PREFILL_PATHS = pytest.mark.parametrize("native", [True, False], ids=["c_kernels
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 300])
 def test_prefill_logits_match_transformers(pair, length, native):
     hf, path = pair
-    engine = Engine.from_pretrained(path, decode_native=native)
-    assert engine.model.has_native_delta() == native
+    engine = Engine.from_pretrained(path, cpu_kernels=native)
+    assert engine.cpu_kernels == native
     assert _prefill_error(hf, engine, length, seed=length) < TOL
 
 
 @PREFILL_PATHS
 def test_prefill_in_unaligned_chunks_matches_transformers(pair, native):
     hf, path = pair
-    assert _prefill_error(hf, Engine.from_pretrained(path, prefill_chunk=100, decode_native=native), 300, seed=7) < TOL
+    assert _prefill_error(hf, Engine.from_pretrained(path, prefill_chunk=100, cpu_kernels=native), 300, seed=7) < TOL
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c_kernels", "torch"])
 def test_stepwise_decode_logits_and_greedy_tokens_match_transformers(pair, native):
     """Both decode paths: the C library's (the CPU default) and torch's (what a CUDA graph captures)."""
     hf, path = pair
-    engine = Engine.from_pretrained(path, decode_native=native)
-    assert engine.model.has_native_delta() == engine.model.has_native_attention() == engine.decode_native == native
+    engine = Engine.from_pretrained(path, cpu_kernels=native)
+    assert engine.cpu_kernels == native and all((b.delta is not None) == native for b in engine.model.blocks
+                                                 if b.kind == "linear_attention")
     ids = torch.randint(0, engine.config.vocab_size, (70,), generator=torch.Generator().manual_seed(3))
     first = engine.prefill(ids)
     with torch.no_grad():

@@ -70,7 +70,7 @@ MESSAGE_FIELDS = {
 ONE_CAPSULE = {"capsule_id": "string", "capsule": "flashrt_ros/CapsuleInfo"}
 SERVICE_FIELDS = {
     "Snapshot": (
-        {"name": "string", "tier": "string", "pin": "boolean", "request_id": "string"},
+        {"name": "string", "tier": "string", "pin": "boolean", "request_id": "string", "lease_s": "double"},
         {**OUTCOME, **ONE_CAPSULE, **TIMING},
     ),
     "Restore": (
@@ -78,7 +78,7 @@ SERVICE_FIELDS = {
         {**OUTCOME, **ONE_CAPSULE, **TIMING},
     ),
     "Fork": (
-        {"source_id": "string", "name": "string"},
+        {"source_id": "string", "name": "string", "lease_s": "double"},
         {**OUTCOME, **ONE_CAPSULE, "source_id": "string", **TIMING},
     ),
     "Rollback": (
@@ -134,7 +134,7 @@ def test_the_readme_commands_run_from_the_repository_root_where_the_source_tree_
     done = subprocess.run([sys.executable, "-m", "flashrt_ros.bt.examples", "--help"], cwd=SOURCE_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "attempt-with-rollback" in done.stdout, done.stderr
-    probe = ("import flashrt_ros, flashrt_ros.action, flashrt_ros.native as n; "
+    probe = ("import flashrt_ros, flashrt_ros.action, flashrt_ros.runtime.backends.cpu.library as n; "
              "print(flashrt_ros.__path__[0]); print(n.library() is not None)")
     done = subprocess.run([sys.executable, "-c", probe], cwd=SOURCE_ROOT, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -15,9 +15,8 @@ The prefill ceiling bounds the prefill speed-up on this machine with the product
 as they are: the measured speed-up divided by the share of this engine's prefill
 spent in matrix products (the profiler's own time of mm, bmm, addmm, baddbmm and
 oneDNN's linear over the wall time of the same prefill), i.e. transformers' time
-over our products alone. Only faster products can go past it (on a CPU this engine
-runs prefill's projections on oneDNN's blocked weights, transformers on torch.mm).
-The profiler's own bookkeeping lengthens the wall time it divides by, so the
+over our products alone. Only faster products can go past it (both run prefill's
+projections on torch's product). The profiler's own bookkeeping lengthens the wall time it divides by, so the
 printed ceiling is a little high: a bound still, if a loose one.
 
 The decode floor is the same question for decode/limit (CPU only): the step's
@@ -27,6 +26,12 @@ weight product replaced by a ready-made output of its shape, i.e. everything
 the eager step does besides reading weights. Their sum over the limit is the
 ratio an eager step would reach with perfect products. An estimate, not a proof:
 a kernel could stream faster than torch's ``sum``.
+
+On a CPU, each kernel of the CPU backend is also timed against the torch op it replaces, in
+the same rounds: the row kernel against ``x @ w`` over every projection of a decode step (one
+row, and the rows of a verify), the delta kernel against the torch layer (``delta_rule``) over
+every linear layer, for one token and for a prompt chunk. A kernel earns its place with a
+clear ratio here (or, for the delta rule, by doing what torch has no op for).
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ def _hf_kernels() -> str:
             f"(the ratios against transformers are then against its slower path)")
 
 
-PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 
 
 def product_share(fn: Callable[[], object]) -> float:
@@ -117,6 +122,47 @@ class DecodeFloor:
             Projection.__call__ = real
 
 
+class KernelRatios:
+    """Timing functions for each CPU-backend kernel and its torch op (see the module docstring),
+    on random inputs of the engine's own shapes; they change the arena's state (reset after)."""
+
+    VERIFY_ROWS = 4
+
+    def __init__(self, engine: Engine, prompt: int) -> None:
+        gen = torch.Generator().manual_seed(3)
+        self.model = engine.model
+        self.projections = self.model.projections()
+        self.rows = {m: [torch.randn(m, p.w.shape[0], generator=gen) for p in self.projections]
+                     for m in (1, self.VERIFY_ROWS)}
+        self.linear = [b for b in self.model.blocks if b.delta is not None]
+        self.mixer_rows = {n: [torch.randn(n, b.in_proj.w.shape[1], generator=gen) for b in self.linear]
+                           for n in (1, prompt)}
+
+    def contenders(self) -> dict[str, Callable[[], float]]:
+        cpu = torch.device("cpu")
+        out: dict[str, Callable[[], float]] = {}
+        for m, xs in self.rows.items():
+            out[f"rows{m}_kernel"] = lambda xs=xs: timed(lambda: [p(x) for p, x in zip(self.projections, xs)], cpu)
+            out[f"rows{m}_torch"] = lambda xs=xs: timed(lambda: [x @ p.w for p, x in zip(self.projections, xs)], cpu)
+        for n, rows in self.mixer_rows.items():
+            out[f"delta{n}_kernel"] = lambda rows=rows: timed(
+                lambda: [b.delta(r) for b, r in zip(self.linear, rows)], cpu)
+            out[f"delta{n}_torch"] = lambda rows=rows: timed(
+                lambda: [self.model.delta_rule(r, b) for b, r in zip(self.linear, rows)], cpu)
+        return out
+
+    def report(self, t: dict[str, float]) -> dict[str, float]:
+        ratios = {}
+        names = {"rows1": "row kernel, one row (decode)", f"rows{self.VERIFY_ROWS}":
+                 f"row kernel, {self.VERIFY_ROWS} rows (verify)", "delta1": "delta kernel, one token",
+                 f"delta{max(self.mixer_rows)}": f"delta kernel, {max(self.mixer_rows)} tokens"}
+        for key, label in names.items():
+            ratios[key] = t[f"{key}_torch"] / t[f"{key}_kernel"]
+            print(f"  cpu backend        {label}: torch {t[f'{key}_torch'] * 1e3:8.3f} ms, kernel "
+                  f"{t[f'{key}_kernel'] * 1e3:8.3f} ms: x{ratios[key]:.2f}")
+        return ratios
+
+
 def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 5) -> dict:
     dev = torch.device(device)
     cfg = ModelConfig.bench()
@@ -160,13 +206,18 @@ def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 
 
     contenders = {"ours_prefill": ours_prefill, "hf_prefill": hf_prefill, "ours_decode": ours_decode,
                   "hf_decode": hf_decode, "copy": lambda: 1.0 / copy_bandwidth(256 * 2**20, dev, rounds=3)}
+    kernels = None
     if dev.type == "cpu":   # a captured CUDA graph replays its own kernels, whatever Projection does now
         floor_parts = DecodeFloor(engine, ids, tokens)
         contenders.update(floor_read=floor_parts.read, floor_rest=floor_parts.rest)
+        if engine.cpu_kernels:
+            kernels = KernelRatios(engine, prompt)
+            contenders.update(kernels.contenders())
     for name, fn in contenders.items():  # warm-up: kernels, allocator
         if name != "copy":
             fn()
-    t = interleaved(contenders, rounds)
+    with torch.inference_mode():
+        t = interleaved(contenders, rounds)
     bandwidth = 1.0 / t["copy"]
     speedup = t["hf_prefill"] / t["ours_prefill"]
     # The median of three profiled prefills; both shares come from one run each, so noise between runs cancels.
@@ -191,8 +242,9 @@ def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 
         print(f"  decode floor       x{floor:.2f} of the limit: the weights read by a plain sum "
               f"({t['floor_read'] * 1e3:.2f} ms) plus the step without its weight products "
               f"({t['floor_rest'] * 1e3:.2f} ms)")
+    ratios = kernels.report(t) if kernels is not None else {}
     results = {
-        "machine": machine(), "device": str(dev),
+        "machine": machine(), "device": str(dev), "cpu_kernel_ratios": ratios,
         "prefill_tokens_per_s": {"ours": prompt / t["ours_prefill"], "transformers": prompt / t["hf_prefill"]},
         "decode_ms_per_token": {"ours": t["ours_decode"] * 1e3, "transformers": t["hf_decode"] * 1e3},
         "limit_ms_per_token": limit * 1e3,
@@ -202,7 +254,7 @@ def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 
             verdict("decode speed-up over transformers", t["hf_decode"] / t["ours_decode"], 2.0, True),
             verdict("decode time / bandwidth limit", t["ours_decode"] / limit, 1.5, False),
             verdict("prefill speed-up over transformers", speedup, 1.3, True),
-        ],
+        ] + ([verdict("row kernel over torch's one-row product", ratios["rows1"], 1.3, True)] if ratios else []),
     }
     engine.close()
     return results

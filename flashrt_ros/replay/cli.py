@@ -19,7 +19,6 @@ import sys
 
 import torch
 
-from ..runtime.projection import ONEDNN_ENV
 from .bag import ENTRY_TOPIC, read_bag
 from ..capsule import signing
 from ..errors import InvalidArgument
@@ -72,10 +71,9 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     except ReplayMismatch as exc:
         print(f"MISMATCH in {ENTRY_TOPIC}, {exc}", file=sys.stderr)
         print(f"(recorded with torch {session.get('torch', 'unknown')} on "
-              f"{session.get('aten_cpu_capability', 'unrecorded')} kernels (oneDNN capped at "
-              f"{session.get('onednn_max_cpu_isa') or 'none'}) of {session.get('cpu', 'an unrecorded CPU')}, "
-              f"replayed with {torch.__version__} on {torch.backends.cpu.get_cpu_capability()} (oneDNN capped at "
-              f"{os.environ.get(ONEDNN_ENV) or 'none'}) of {cpu_name()}: replay is byte-exact on the same torch, "
+              f"{session.get('aten_cpu_capability', 'unrecorded')} kernels of {session.get('cpu', 'an unrecorded CPU')}, "
+              f"replayed with {torch.__version__} on {torch.backends.cpu.get_cpu_capability()} kernels of "
+              f"{cpu_name()}: replay is byte-exact on the same torch, "
               "CPU kernels and flashrt_ros build only, and MKL's products may round differently on another "
               "CPU vendor)", file=sys.stderr)
         return 1
@@ -105,7 +103,6 @@ def _rerun_at(wanted: str | None) -> None:
         return
     sys.stdout.flush()
     try:
-        # oneDNN follows (see cap_onednn_like_torch), as it did in the recording process.
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
                   {**os.environ, CAPABILITY_ENV: wanted.lower()})
     except OSError as exc:   # replay here all the same: a mismatch will name both levels

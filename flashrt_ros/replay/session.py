@@ -13,8 +13,8 @@ import torch
 from ..capsule import TIERS
 from ..capsule.diskformat import path_for
 from ..errors import InvalidArgument
-from ..runtime import Engine, attention_step, delta_step, row_ops, row_product
-from ..runtime.projection import ONEDNN_ENV
+from ..runtime import Engine
+from ..runtime.backends import cpu as cpu_backend
 
 VERSION = 1
 
@@ -39,18 +39,14 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             # (AVX2 or AVX-512 on x86) and the two round differently (the committed bag,
             # recorded at AVX2, mismatched on an AVX-512 machine at its first snapshot).
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            # oneDNN's own cap, which follows torch's (cap_onednn_like_torch); shown on a mismatch.
-            "onednn_max_cpu_isa": os.environ.get(ONEDNN_ENV, ""),
             # Shown on a mismatch too: MKL, which runs torch.mm, picks its code by CPU model
             # and vendor, not only by instruction set.
             "cpu": cpu_name(),
             # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
-            # Prefill's products on oneDNN's blocked weights, or torch.mm: they round differently.
-            "prefill_blocked": engine.prefill_blocked,
-            # Decode (and prefill's linear attention) on the C kernels (which versions), or on
+            # Few-row products and linear attention on the CPU backend (which versions), or on
             # torch: they round differently.
-            "decode_native": engine.decode_native,
+            "cpu_kernels": engine.cpu_kernels,
             **native_kernels(engine),
             # Disk capsules found in capsule_dir at start: the session may restore them.
             "capsule_dir": str(store.dir or ""),
@@ -71,12 +67,8 @@ def cpu_name() -> str:
 
 
 def native_kernels(engine: Engine) -> dict[str, str]:
-    """The version of each C kernel the engine runs ("" for one it does not use): decode's, and
-    the delta kernel's for prefill's linear attention too."""
-    return {"row_product": row_product.version() if engine.decode_native else "",
-            "delta_step": delta_step.version() if engine.model.has_native_delta() else "",
-            "attention_step": attention_step.version() if engine.model.has_native_attention() else "",
-            "row_ops": row_ops.version() if engine.model.native_glue else ""}
+    """The version of each C kernel the engine runs (none off the CPU backend)."""
+    return cpu_backend.versions() if engine.cpu_kernels else {}
 
 
 def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None,
@@ -105,18 +97,13 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
                          capsule_key=capsule_key if session.get("signed", False) else None,
                          cuda_graphs=session.get("cuda_graphs", True),
                          static_shapes=session.get("fixed_shapes", False),
-                         prefill_blocked=session.get("prefill_blocked", False),   # older sessions: torch.mm
-                         decode_native=session.get("decode_native", False))   # older: torch's slab products
-    if engine.prefill_blocked != session.get("prefill_blocked", False):   # only True can be refused here
+                         cpu_kernels=session.get("cpu_kernels", False))
+    if engine.cpu_kernels != session.get("cpu_kernels", False):   # only True can be refused here
         engine.close()
-        raise InvalidArgument(f"the session ran prefill on oneDNN's blocked weights (an x86 CPU), which device "
-                              f"{device} here cannot: its products would round differently")
-    if engine.decode_native != session.get("decode_native", False):   # likewise
-        engine.close()
-        raise InvalidArgument(f"the session ran one-row products on the C kernel of flashrt_ros.runtime.row_product, "
-                              f"which is not built here or cannot serve device {device}: rebuild the package with a "
-                              f"C compiler (colcon build, or pip install .), or replay on a CPU")
-    for kernel, version in (native_kernels(engine) if engine.decode_native else {}).items():
+        raise InvalidArgument(f"the session ran on the CPU backend's C kernels (flashrt_ros.runtime.backends.cpu), "
+                              f"which are not built here or cannot serve device {device}: rebuild the package with "
+                              f"a C compiler (colcon build, or pip install .), or replay on a CPU")
+    for kernel, version in native_kernels(engine).items():
         if session.get(kernel, "") != version:
             engine.close()
             raise InvalidArgument(f"the session ran {kernel} kernel {session.get(kernel, '')!r}, this build has "

@@ -55,11 +55,8 @@ PARAMS = (
     Param("dtype", "float32", "model and state dtype", choices=DTYPES),
     Param("max_seq_len", 8192, "positions the state arena holds", lo=16, hi=1 << 20),
     Param("cuda_graphs", True, "replay decode as captured CUDA graphs (CUDA devices only)"),
-    Param("prefill_blocked", True, "x86 CPU, float32: prefill on a second, oneDNN-blocked copy of the projection "
-          "weights (faster prefill, twice their memory)"),
-    Param("decode_native", True, "CPU, float32: decode and policy steps on the package's C library (one-row "
-          "products, attention layers, norms), and prefill's linear-attention layers, where it is built (faster "
-          "decode and prefill; falls back to torch where not)"),
+    Param("cpu_kernels", True, "CPU, float32: decode and policy steps, and every linear-attention layer, on "
+          "the package's C library where it is built (runtime.backends.cpu); false: the torch reference path"),
     Param("capsule_dir", "", "folder of the disk tier; capsules found there are loaded at configure"),
     Param("capsule_key_file", "", "file holding a key (16 bytes or more) that signs every capsule file; files "
           "without a valid signature are refused (UNTRUSTED_CAPSULE); empty = digests only, which catch "

@@ -9,8 +9,8 @@ each token with decay ``g`` (log space, <= 0) and write strength ``beta``::
     o      = S^T q
 
 ``recurrent_step`` applies this to one token in place (decode). ``chunked``
-processes a whole prompt on the torch path (a CPU engine with ``decode_native``
-runs prompts token after token in C instead, see ``delta_step``): inside a chunk
+processes a whole prompt on the torch path (a CPU engine with ``cpu_kernels``
+runs prompts token after token in C instead, see ``backends.cpu.delta_step``): inside a chunk
 of C tokens the recurrence is a small unit-lower-triangular system, solved with
 one triangular solve, so the work is matrix products instead of C sequential
 rank-one updates. ``reference`` is the token-by-token loop, kept only to check

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import attention_step, delta_step, gated_delta, row_ops, sampling
+from .. import gated_delta, sampling
 from ..arena import RegionSpec, StateArena
 from ..attention import Span, write_and_attend
-from ..attention_step import AttentionStep, KVRows
+from ..backends.cpu import row_product
+from ..backends.cpu.delta_step import DeltaStep
 from ..config import FULL, LINEAR, ModelConfig
-from ..delta_step import DeltaStep
 from ...hugepages import empty_huge
 from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables, swiglu_mlp
 from ..projection import Projection
@@ -54,10 +54,8 @@ def state_specs(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> list[
 
 @dataclass(slots=True)
 class _Block:
-    """One decoder layer's weights. Projections are stored transposed, [in, out],
-    and fused (one GEMM per projection group): on CPU a one-row ``x @ W`` streams
-    such a matrix about twice as fast as ``F.linear`` over [out, in] (and see
-    ``Projection`` for the many-row layout)."""
+    """One decoder layer's weights. Projections are stored transposed, [in, out], and fused
+    (one GEMM per projection group): the layout a row streams through in order."""
 
     kind: str
     ln_in: torch.Tensor            # fp32, 1 + w
@@ -71,18 +69,14 @@ class _Block:
     neg_a: torch.Tensor | None = None     # -exp(A_log), fp32
     dt_bias: torch.Tensor | None = None   # fp32
     slot: int = 0                  # index into the recurrent/conv or kv region
-    delta: DeltaStep | None = None        # linear, native decode: the mixer in one C call (prefill too)
-    attend: AttentionStep | None = None   # full, native decode: one token's attention in one C call
+    delta: DeltaStep | None = None        # linear, CPU backend: the mixer in one C call (prefill too)
 
 
 class _Cast:
-    """Weights onto the device, in the compute dtype; ``blocked``: projections that prefill
-    multiplies also get oneDNN's many-row layout; ``native_rows``: their one-row products
-    run on the C kernel (see ``Projection``)."""
+    """Weights onto the device, in the compute dtype."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, blocked: bool = False,
-                 native_rows: bool = False) -> None:
-        self.device, self.dtype, self.blocked, self.native_rows = device, dtype, blocked, native_rows
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
@@ -91,22 +85,18 @@ class _Cast:
         """Fuse [out, in] matrices along out and store the result as [in, out]."""
         return self(torch.cat(parts).t())
 
-    def proj(self, *parts: torch.Tensor, many_rows: bool = True) -> Projection:
-        """``many_rows``: prefill multiplies it (the LM head and the MTP draft layer it never does)."""
-        return Projection(self.t(*parts), blocked=self.blocked and many_rows, native_rows=self.native_rows,
-                          many_rows=many_rows)
+    def proj(self, *parts: torch.Tensor) -> Projection:
+        return Projection(self.t(*parts))
 
     def one_plus(self, w: torch.Tensor) -> torch.Tensor:
         return (1.0 + w.detach().float()).to(self.device)
 
 
-def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast,
-           many_rows: bool = True) -> _Block:
+def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast) -> _Block:
     mlp = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
                ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
-               gate_up=cast.proj(w[f"{prefix}mlp.gate_proj.weight"], w[f"{prefix}mlp.up_proj.weight"],
-                                 many_rows=many_rows),
-               down=cast.proj(w[f"{prefix}mlp.down_proj.weight"], many_rows=many_rows))
+               gate_up=cast.proj(w[f"{prefix}mlp.gate_proj.weight"], w[f"{prefix}mlp.up_proj.weight"]),
+               down=cast.proj(w[f"{prefix}mlp.down_proj.weight"]))
     if kind == FULL:
         a = f"{prefix}self_attn."
         q_norm, k_norm = w[f"{a}q_norm.weight"], w[f"{a}k_norm.weight"]
@@ -119,14 +109,14 @@ def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: 
         kv_heads = w[f"{a}k_proj.weight"].shape[0] // d
         return _Block(kind, **mlp, slot=slot,
                       in_proj=cast.proj(q_and_gate[:, 0].flatten(0, 1), w[f"{a}k_proj.weight"],
-                                        q_and_gate[:, 1].flatten(0, 1), w[f"{a}v_proj.weight"], many_rows=many_rows),
-                      out_proj=cast.proj(w[f"{a}o_proj.weight"], many_rows=many_rows),
+                                        q_and_gate[:, 1].flatten(0, 1), w[f"{a}v_proj.weight"]),
+                      out_proj=cast.proj(w[f"{a}o_proj.weight"]),
                       norm_a=cast.one_plus(torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)])))
     a = f"{prefix}linear_attn."
     return _Block(kind, **mlp, slot=slot,
                   in_proj=cast.proj(w[f"{a}in_proj_qkv.weight"], w[f"{a}in_proj_z.weight"],
-                                    w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"], many_rows=many_rows),
-                  out_proj=cast.proj(w[f"{a}out_proj.weight"], many_rows=many_rows),
+                                    w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"]),
+                  out_proj=cast.proj(w[f"{a}out_proj.weight"]),
                   norm_a=cast(w[f"{a}norm.weight"]),
                   conv=cast(w[f"{a}conv1d.weight"][:, 0, :].t()),
                   neg_a=-w[f"{a}A_log"].float().exp().to(cast.device),
@@ -139,14 +129,15 @@ class Qwen35:
     """The hybrid decoder. Build, then ``bind`` an arena; every forward writes state there."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_seq_len: int, blocked: bool = False,
-                 native_rows: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, max_seq_len: int, cpu_kernels: bool = False) -> None:
+        """``cpu_kernels``: run few-row products and the linear mixers on the CPU backend (float32
+        on a CPU, the library built; the caller checks ``backends.cpu.serves``)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.native_rows = native_rows
-        cast = _Cast(device, dtype, blocked, native_rows)
+        self.cpu_kernels = cpu_kernels
+        cast = _Cast(device, dtype)
         self.embed = cast(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = cast.proj(head, many_rows=False)  # a second, transposed copy when tied: see _Block
+        self.lm_head = cast.proj(head)  # a second, transposed copy when tied: see _Block
         self.final_norm = cast.one_plus(weights["model.norm.weight"])
         slots = {FULL: 0, LINEAR: 0}
         self.blocks: list[_Block] = []
@@ -155,7 +146,7 @@ class Qwen35:
             slots[kind] += 1
         self.mtp: _Block | None = None
         if cfg.mtp_num_hidden_layers:
-            self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast, many_rows=False)
+            self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast)
             # A boundary needs only the MTP layer's K and V rows: its attention and MLP
             # produce a draft, and nothing reads a draft until speculative decoding does.
             # Their own [in, out] copy lets prefill and decode skip the query and gate columns.
@@ -165,15 +156,10 @@ class Qwen35:
             self.mtp_fc = cast.proj(weights["mtp.fc.weight"])
             self.mtp_norm_embed = cast.one_plus(weights["mtp.pre_fc_norm_embedding.weight"])
             self.mtp_norm_hidden = cast.one_plus(weights["mtp.pre_fc_norm_hidden.weight"])
-        # Native decode runs the norms, residuals and activations between one row's products
-        # on the C library too (see row_ops).
-        self.native_glue = native_rows and row_ops.available()
-        if self.native_glue:
-            norms = [self.final_norm] + [t for b in self.blocks for t in (b.ln_in, b.ln_post)]
-            if self.mtp is not None:
-                norms += [self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in]
-            for scale in norms:
-                row_ops.check_scale(scale, cfg.hidden_size)
+        if cpu_kernels:   # one scratch for every product, sized once every weight is built
+            partials = row_product.scratch(max(p.w.shape[1] for p in self.projections()))
+            for p in self.projections():
+                p.use_row_kernel(partials)
         if cfg.policy:
             self.obs_proj = cast.t(weights["policy.obs_proj.weight"])
             self.obs_bias = cast(weights["policy.obs_proj.bias"])
@@ -202,40 +188,33 @@ class Qwen35:
         self.kv = arena.views.get("kv")
         self.mtp_kv = arena.views.get("mtp.kv")
         self.observations = arena.views.get("meta.observations")
-        # Native decode (where the row products run on the C library, so float32 on a CPU) runs
-        # each layer's mixer for one token in one call as well, over this arena's state; a linear
-        # layer's for a prefill's tokens too (see delta_step).
+        # The CPU backend runs each linear layer's mixer in one call, over this arena's state.
         cfg, hk, dk = self.cfg, self.cfg.linear_num_key_heads, self.cfg.linear_key_head_dim
         for b in self.blocks:
-            b.delta = b.attend = None
-            if b.kind == LINEAR and self.native_rows and delta_step.available():
+            b.delta = None
+            if b.kind == LINEAR and self.cpu_kernels:
                 b.delta = DeltaStep(self.conv[b.slot], b.conv, b.neg_a, b.dt_bias, self.recurrent[b.slot], b.norm_a,
                                     key_heads=hk, q_scale=dk ** -1.0, k_scale=dk ** -0.5,
                                     qk_eps=gated_delta.L2_EPS / dk, norm_eps=cfg.rms_norm_eps)
-            if b.kind == FULL and self.native_rows and attention_step.available():
-                b.attend = AttentionStep(self.kv[:, b.slot, 0], self.kv[:, b.slot, 1], self.position, b.norm_a,
-                                         self.cos, self.sin, heads=cfg.num_attention_heads, eps=cfg.rms_norm_eps)
-        self.mtp_kv_rows = None
-        if self.mtp is not None and self.native_glue and attention_step.available():
-            self.mtp_kv_rows = KVRows(self.mtp_kv[:, 0], self.mtp_kv[:, 1], self.position, self.mtp_k_norm,
-                                      self.cos, self.sin, eps=cfg.rms_norm_eps)
-
 
     # ---- mixers ------------------------------------------------------------------------------
     def _linear_mixer(self, x: torch.Tensor, b: _Block) -> torch.Tensor:
-        cfg, n = self.cfg, x.shape[0]
-        if b.delta is not None:
-            return b.out_proj(b.delta(b.in_proj(x)))
+        rows = b.in_proj(x)
+        return b.out_proj(b.delta(rows) if b.delta is not None else self.delta_rule(rows, b))
+
+    def delta_rule(self, rows: torch.Tensor, b: _Block) -> torch.Tensor:
+        """A linear layer between its projections, the torch reference path: the causal conv and
+        its state, the gates, the gated delta rule over the layer's recurrent state, the gated
+        output norm. ``rows`` [n, conv | value | 2 heads] from ``in_proj``; returns [n, value]."""
+        cfg, n = self.cfg, rows.shape[0]
         c, vd, hv, hk = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads, cfg.linear_num_key_heads
-        mixed, z, beta_in, a_in = b.in_proj(x).split([c, vd, hv, hv], dim=-1)
+        mixed, z, beta_in, a_in = rows.split([c, vd, hv, hv], dim=-1)
 
         conv_state = self.conv[b.slot]                       # [K-1, C], time-major
         window = torch.cat([conv_state, mixed], dim=0)       # [K-1+n, C]
         conv_state.copy_(window[window.shape[0] - conv_state.shape[0]:])   # not [-0:] when K = 1
-        # Depthwise causal conv as K shifted multiply-adds over contiguous rows: oneDNN's
-        # grouped conv1d costs milliseconds per call at decode sizes, and a product over
-        # ``window.unfold`` (its taps strided by C) took 3.8x as long at 512 tokens.
-        if n == 1:   # the window is exactly the taps: two dispatches instead of 2K
+        # Depthwise causal conv as K shifted multiply-adds over contiguous rows.
+        if n == 1:   # the window is exactly the taps
             mixed = (window * b.conv).sum(0, keepdim=True)
         else:
             mixed = window[:n] * b.conv[0]
@@ -252,15 +231,13 @@ class Qwen35:
         beta = beta_in.float().sigmoid()
         g = b.neg_a * F.softplus(a_in.float() + b.dt_bias)
         rule = gated_delta.recurrent_step if n == 1 else gated_delta.chunked
-        o = rule(q, k, v, g, beta, self.recurrent[b.slot]).to(x.dtype)
+        o = rule(q, k, v, g, beta, self.recurrent[b.slot]).to(rows.dtype)
         o = gated_rms_norm(o, z.reshape(n, hv, -1), b.norm_a, cfg.rms_norm_eps)
-        return b.out_proj(o.reshape(n, vd))
+        return o.reshape(n, vd)
 
     def _full_mixer(self, x: torch.Tensor, b: _Block, kv: torch.Tensor, positions: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor] | None, span: Span) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
-        if n == 1 and b.attend is not None and span.mask is None and not span.own:   # eager decode's rows
-            return b.out_proj(b.attend(b.in_proj(x)))
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qk, gate, v = b.in_proj(x).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
         qk = apply_rope(rms_norm(qk.view(n, hq + hkv, d), b.norm_a, cfg.rms_norm_eps), *rope)
@@ -269,40 +246,25 @@ class Qwen35:
 
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
                        rope: tuple[torch.Tensor, torch.Tensor] | None, span: Span) -> torch.Tensor:
-        h = self._norm(x, b.ln_in)
+        eps = self.cfg.rms_norm_eps
+        h = rms_norm(x, b.ln_in, eps)
         if b.kind == FULL:
             h = self._full_mixer(h, b, kv, positions, rope, span)
         else:
             h = self._linear_mixer(h, b)
-        if x.shape[0] == 1 and self.native_glue:
-            x, normed = row_ops.add_rms_norm(x, h, b.ln_post, self.cfg.rms_norm_eps)
-            return x + b.down(row_ops.silu_mul(b.gate_up(normed)))
         x = x + h
-        return x + swiglu_mlp(self._norm(x, b.ln_post), b.gate_up, b.down)
-
-    def _rotates_in_c(self) -> bool:
-        """Whether every layer that applies RoPE (full attention, the MTP rows) does so in C for
-        one token (asked each step: tests switch single kernels off after ``bind``)."""
-        return all(b.attend is not None for b in self.blocks if b.kind == FULL) \
-            and (self.mtp is None or (self.native_glue and self.mtp_kv_rows is not None))
-
-    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """The model's RMS norm of x: one row on the C library under native glue (see row_ops)."""
-        eps = self.cfg.rms_norm_eps
-        return row_ops.rms_norm(x, scale, eps) if x.shape[0] == 1 and self.native_glue else rms_norm(x, scale, eps)
+        return x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
 
     # ---- one committed boundary ----------------------------------------------------------------
     def advance(self, embeds: torch.Tensor, positions: torch.Tensor, span: Span, decode: bool) -> None:
         """Run n input embeddings [n, H] at ``positions`` through the backbone and the MTP
         layer, then move the boundary: last hidden state and position counter."""
         x = embeds
-        # The C kernels of a native one-token step read RoPE by the position themselves.
-        rope = None if x.shape[0] == 1 and span.mask is None and not span.own and self._rotates_in_c() else \
-            (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
+        rope = (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
         for b in self.blocks:
             kv = self.kv[:, b.slot] if b.kind == FULL else None
             x = self._block_forward(x, b, kv, positions, rope, span)
-        hidden = self._norm(x, self.final_norm)
+        hidden = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
         if self.mtp is not None:
             prev = torch.cat([self.last_hidden[None], hidden[:-1]]) if not decode else self.last_hidden[None]
             self._write_mtp_kv(embeds, prev, positions, rope)
@@ -310,16 +272,10 @@ class Qwen35:
         self.position.add_(embeds.shape[0])
 
     def _write_mtp_kv(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                      rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                      rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """MTP K and V rows at ``positions``: the MTP layer pairs token t's embedding with
         the hidden state of token t-1, exactly as its full forward would."""
         cfg, n, eps = self.cfg, embeds.shape[0], self.cfg.rms_norm_eps
-        if n == 1 and self.native_glue and self.mtp_kv_rows is not None:   # native decode: a few C calls
-            m, hidden = torch.empty(1, 2 * cfg.hidden_size, dtype=torch.float32), cfg.hidden_size
-            row_ops.rms_norm(embeds, self.mtp_norm_embed, eps, out=m[:, :hidden])
-            row_ops.rms_norm(prev_hidden, self.mtp_norm_hidden, eps, out=m[:, hidden:])
-            self.mtp_kv_rows(self.mtp_kv_proj(row_ops.rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)))
-            return
         m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)],
                       -1)
         h = rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)
@@ -379,24 +335,6 @@ class Qwen35:
         if self.mtp is not None:
             out += [self.mtp_fc, self.mtp_kv_proj]
         return out + [self.lm_head]
-
-    def has_blocked_products(self) -> bool:
-        """Whether some projection multiplies many rows on oneDNN's blocked copy (see Projection)."""
-        return any(p.blocked is not None for p in self.projections())
-
-    def has_native_rows(self) -> bool:
-        """Whether one-row products run on the C kernel (see row_product)."""
-        return any(p.partials is not None for p in self.projections())
-
-    def has_native_delta(self) -> bool:
-        """Whether linear mixers (decode's and prefill's) run on the C kernel (see delta_step); set by
-        ``bind``."""
-        return any(b.delta is not None for b in self.blocks)
-
-    def has_native_attention(self) -> bool:
-        """Whether one-token attention layers (the MTP layer's K and V rows included) run on the
-        C kernel (see attention_step); set by ``bind``."""
-        return any(b.attend is not None for b in self.blocks) or self.mtp_kv_rows is not None
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""

@@ -1,12 +1,9 @@
-"""The package's small C library (``src/row_product.c``, ``row_ops.c``, ``delta_step.c``,
-``attention_step.c``), loaded with ctypes: decode's one-row
-products (``runtime.row_product``) and attention layers (``runtime.delta_step``, which
-runs prefill's linear attention too, and ``runtime.attention_step``). The capsules'
-span copies are a Python extension module of their own (``capsule.span_copy``).
+"""The package's small C library (``src/row_product.c``, ``src/delta_step.c``), loaded with
+ctypes: the CPU backend's kernels.
 
-colcon (CMakeLists.txt) installs it as ``_native.so`` beside this file; ``pip install``
-(setup.py) builds it with the ABI tag in its name. It is optional: where it is not built,
-each caller falls back to torch and says so.
+colcon (CMakeLists.txt) installs it as ``_native.so`` in the ``flashrt_ros`` package folder;
+``pip install`` (setup.py) builds it with the ABI tag in its name. It is optional: where it is
+not built, the engine runs the torch reference path and says so.
 """
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ log = logging.getLogger(__name__)
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None where it is not built or cannot be loaded."""
-    import flashrt_ros   # its __path__: this folder, and the installed one from a source checkout
+    import flashrt_ros   # its __path__: the package folder, and the installed one from a source checkout
 
     for path in [p for folder in flashrt_ros.__path__ for p in sorted(Path(folder).glob("_native*.so"))]:
         try:
@@ -59,16 +56,10 @@ def check_float_tensors(what: str, expected: dict[str, tuple[torch.Tensor, tuple
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def check_row(what: str, row: torch.Tensor, width: int) -> torch.Tensor:
-    """``row`` as one contiguous float32 CPU row [1, width] (ValueError if it is not one)."""
-    return check_rows(what, row, width, one=True)
-
-
-def check_rows(what: str, rows: torch.Tensor, width: int, one: bool = False) -> torch.Tensor:
-    """``rows`` as contiguous float32 CPU rows [n >= 1, width], n = 1 if ``one`` (ValueError if
-    they are not)."""
+def check_rows(what: str, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``rows`` as contiguous float32 CPU rows [n >= 1, width] (ValueError if they are not)."""
     if rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.dim() != 2 or rows.shape[0] < 1 \
-            or (one and rows.shape[0] != 1) or rows.shape[1] != width:
-        raise ValueError(f"{what} takes {'one float32 CPU row' if one else 'float32 CPU rows'} of {width}, "
-                         f"got {rows.dtype} {tuple(rows.shape)} on {rows.device}")
+            or rows.shape[1] != width:
+        raise ValueError(f"{what} takes float32 CPU rows of {width}, got {rows.dtype} {tuple(rows.shape)} "
+                         f"on {rows.device}")
     return rows.contiguous()
