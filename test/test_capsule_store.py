@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashrt_ros.capsule import BudgetExceeded
-from flashrt_ros.capsule.store import _chunks
+from flashrt_ros.capsule.pieces import chunks_of as _chunks
 from flashrt_ros.errors import ErrorCode
 from flashrt_ros.runtime import Engine, ModelConfig
 
@@ -662,7 +662,7 @@ def test_a_snapshot_interrupted_while_it_takes_its_holds_keeps_none_of_them(monk
             if chunk is base_chunk:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(store_module, "_chunks", interrupted_after_the_base)
+    monkeypatch.setattr(store_module, "chunks_of", interrupted_after_the_base)
     with pytest.raises(KeyboardInterrupt):
         engine.snapshot()   # shares the base's 8 rows: its pieces start in the base's chunk
     monkeypatch.undo()

@@ -75,14 +75,8 @@ def test_a_restore_of_bad_regions_is_refused_and_changes_nothing(regions):
     assert info.value.code == ErrorCode.INVALID_ARGUMENT and engine.state_digest() == before
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_restore_of_groups_with_no_live_bytes_copies_nothing_and_succeeds(native, monkeypatch):
-    """A capsule at position 0 holds no KV rows: restoring its ["kv"] has nothing to copy (torch's
-    batched copy, the path every GPU takes, refuses an empty list)."""
-    from flashrt_ros.capsule import span_copy
-
-    if not native:
-        monkeypatch.setattr(span_copy, "_MODULE", None)
+def test_a_restore_of_groups_with_no_live_bytes_copies_nothing_and_succeeds():
+    """A capsule at position 0 holds no KV rows: restoring its ["kv"] has nothing to copy."""
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
     empty = engine.snapshot()
     engine.prefill([1, 2, 3])

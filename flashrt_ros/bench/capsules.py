@@ -20,6 +20,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import statistics
 import time
 
@@ -39,6 +41,11 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 RETURN_TOKENS = 8
 
 
+def _forget_base(engine: Engine) -> None:
+    """The live state as if it descended from no capsule: the next copy is a full one."""
+    engine._state = replace(engine._state, base=None)
+
+
 def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]:
     """Every contender starts from a flushed cache: a restore and the copy just before it
     share the arena and capsule bytes, which fit the last-level cache up to ~13 MiB here,
@@ -55,7 +62,7 @@ def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]
         digests: list[float] = []
 
         def snap() -> float:
-            engine._base = None  # a full snapshot: nothing shared with an earlier capsule
+            _forget_base(engine)  # a full snapshot: nothing shared with an earlier capsule
             flush()
             t = timed(lambda: engine.snapshot(), dev)
             taken = engine.capsules.list()[-1].id
@@ -66,7 +73,7 @@ def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]
             return t
 
         def restore() -> float:
-            engine._base = None  # a full restore: the live state shares no rows with the capsule
+            _forget_base(engine)  # a full restore: the live state shares no rows with the capsule
             flush()
             return timed(lambda: engine.restore(held), dev)
 
@@ -178,7 +185,7 @@ def rollback_share(engine: Engine, rounds: int) -> float:
     time: an upper bound there, since the step then cannot run ahead of it."""
     dev, n = engine.device, ROLLBACK_TOKENS
     prompt = _ids(ROLLBACK_PROMPT, 3)
-    boundary, spent = engine._boundary, [0.0]
+    boundary, spent = engine._commit, [0.0]
 
     def counted(*args) -> None:
         sync(dev)
@@ -191,11 +198,11 @@ def rollback_share(engine: Engine, rounds: int) -> float:
         engine.reset()
         engine.prefill(prompt)
         spent[0] = 0.0
-        engine._boundary = counted
+        engine._commit = counted
         try:
             step = timed(lambda: engine.generate(n), dev)
         finally:
-            del engine._boundary   # the class's own method again
+            del engine._commit   # the class's own method again
         return spent[0] / step
 
     result = interleaved({"share": share}, rounds)["share"]

@@ -18,34 +18,19 @@ _ALIGN = 256
 
 class Chunk:
     """An immutable run of bytes shared by the capsules that reference it: bytes
-    [offset, offset + nbytes) of a buffer (a pool chunk), or all of one (``Chunk.holding``).
+    [offset, offset + nbytes) of a buffer (a pool chunk), or all of one (``Chunk.holding``)."""
 
-    A pool chunk is cut from the pool's buffer only when something asks for
-    ``data``: the CPU snapshot path copies by ``address`` and never does, and
-    from a cold cache making that view cost a fifth of copying a 1.6 MiB state.
-    """
+    __slots__ = ("tier", "data", "nbytes", "offset", "refs", "landed", "_array")
 
-    __slots__ = ("tier", "_data", "_whole", "nbytes", "offset", "address", "refs", "landed", "_array")
-
-    def __init__(self, tier: str, whole: torch.Tensor, offset: int, nbytes: int, whole_address: int) -> None:
-        """``whole_address``: where ``whole`` is in CPU memory, 0 when it is not there."""
-        self.tier, self._whole, self.offset, self.nbytes, self.refs = tier, whole, offset, nbytes, 0
-        # ``address``: where the bytes are, for the C span copy; 0 where they are not in CPU memory.
-        self.address = whole_address + offset if whole_address else 0
-        self._data = self.landed = self._array = None   # landed: a CUDA event after copies from the GPU
+    def __init__(self, tier: str, whole: torch.Tensor, offset: int, nbytes: int) -> None:
+        self.tier, self.offset, self.nbytes, self.refs = tier, offset, nbytes, 0
+        self.data = whole[offset:offset + nbytes]
+        self.landed = self._array = None   # landed: a CUDA event after copies from the GPU
 
     @classmethod
     def holding(cls, tier: str, data: torch.Tensor) -> "Chunk":
         """A chunk that is all of ``data``."""
-        chunk = cls(tier, data, 0, data.numel(), data.data_ptr() if data.device.type == "cpu" else 0)
-        chunk._data = data
-        return chunk
-
-    @property
-    def data(self) -> torch.Tensor:
-        if self._data is None:   # two threads may both cut it: the same view either way
-            self._data = self._whole[self.offset:self.offset + self.nbytes]
-        return self._data
+        return cls(tier, data, 0, data.numel())
 
     def copied_from(self, device: torch.device) -> None:
         """Mark the copies just queued from ``device`` into this (host) chunk: CPU reads wait for them."""
@@ -61,8 +46,7 @@ class Chunk:
 
     def readable(self, offset: int, nbytes: int):
         """Bytes [offset, offset + nbytes) for the CPU to read, as a NumPy array: a view on a
-        CPU chunk (sliced without torch calls, which the digest thread makes many of while
-        the caller's thread wants the interpreter back), a copy from a GPU one."""
+        CPU chunk, a copy from a GPU one."""
         self.wait()
         if self.data.device.type != "cpu":
             return self.data[offset:offset + nbytes].cpu().numpy()
@@ -78,15 +62,13 @@ class DevicePool:
         self.nbytes = nbytes
         # Huge pages on a CPU, as the arena has: snapshot and restore stream between the two.
         self.buffer = empty_huge((nbytes,), torch.uint8, device)
-        self._address = self.buffer.data_ptr() if device.type == "cpu" else 0
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []   # sorted (offset, size)
 
     @staticmethod
     def footprint(nbytes: int) -> int:
         """The pool bytes a chunk of ``nbytes`` takes (chunks start aligned)."""
-        # Rounded up to the alignment, one unit at the least (``or``: the builtin max cost a
-        # snapshot 9 us from a cold cache).
-        return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
+        # Rounded up to the alignment, one unit at the least.
+        return max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
 
     def _first_fit(self, size: int) -> int | None:
         """Index of the first free run that holds ``size`` bytes."""
@@ -101,22 +83,13 @@ class DevicePool:
         if i is None:
             return None
         offset, free = self._free[i]
-        # Made before the free list changes: a Ctrl-C raised as the call into Chunk begins
-        # (a snapshot allocates during its copy, where one pending is raised) loses no space.
-        chunk = Chunk("device", self.buffer, offset, nbytes, self._address)
+        # Made before the free list changes: a Ctrl-C raised as the call into Chunk begins loses no space.
+        chunk = Chunk("device", self.buffer, offset, nbytes)
         if free == size:
             del self._free[i]
         else:
             self._free[i] = (offset + size, free - size)
         return chunk
-
-    def address_for(self, nbytes: int) -> int:
-        """Where ``allocate(nbytes)`` would place its chunk if called now, in CPU memory; 0 when
-        nothing fits or the pool is not in CPU memory. Nothing is allocated."""
-        i = self._first_fit(self.footprint(nbytes))
-        if i is None or not self._address:
-            return 0
-        return self._address + self._free[i][0]
 
     def release(self, chunk: Chunk) -> None:
         size = self.footprint(chunk.nbytes)

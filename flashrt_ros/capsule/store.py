@@ -1,28 +1,27 @@
 """The capsule store: capsules in three tiers, with budgets, LRU spill, sharing and integrity.
 
-A capsule is a list of pieces, each mapping an arena byte range onto bytes
-of a chunk. Chunks are immutable and reference-counted, so a fork or a
-snapshot that extends an earlier capsule's token prefix points at the
-earlier chunk instead of copying it: N branches of a P-token prefix cost
-about P + N * delta bytes. Digests are computed off the snapshot path by
-one background thread, from the capsule's own immutable copy.
+A capsule is a list of pieces, each mapping an arena byte range onto bytes of a chunk. Chunks
+are immutable and reference-counted, so a fork or a snapshot that extends an earlier capsule's
+token prefix points at the earlier chunk instead of copying it: N branches of a P-token prefix
+cost about P + N * delta bytes. The store is bookkeeping: for a snapshot or a restore it hands
+the engine a plan (``plans``), the byte copies and what they make, and the engine carries it
+out. Digests are computed off the snapshot path by one background thread, from the capsule's
+own immutable copy.
 """
 from __future__ import annotations
 
 import logging
-import os
-import random
+import secrets
 import threading
 import time
-import weakref
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from ..digest import history_digest, state_digest
 from ..errors import shown
-from . import disk_capsules, diskformat, span_copy
+from . import disk_capsules, diskformat
 from .digest_queue import FINISHED, SETTLED, DigestQueue
 from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
                      UnknownCapsule)
@@ -30,161 +29,17 @@ from .held_events import HeldEvents, Lockable
 from .info import TIERS, CapsuleInfo, check_name, check_tier
 from .layout import Layout
 from .memory import Chunk, DevicePool, host_chunk
+from .pieces import Piece, Record, chunks_of, cut, laid_out, same_bytes_until
+from .plans import RestorePlan, SnapshotPlan
 
 log = logging.getLogger(__name__)
 
 _LOWER = {"device": "host", "host": "disk", "disk": None}
-# A snapshot shares its base's token rows only while the base lies in at most this many pieces.
-# Each snapshot of a chain (one per step, each extending the last) adds a piece per per-token
-# region, and the slicing grows with them: the 600th of a chain took 3.1 ms against 171 us for
-# the first (bench model). Past the bound the rows are copied whole and the chain starts over.
+# A snapshot shares its base's token rows only while the base lies in at most this many pieces:
+# each snapshot of a chain (one per step, each extending the last) adds a piece per per-token
+# region, so past the bound the rows are copied whole and the chain starts over, and no
+# snapshot's bookkeeping grows with the chain.
 SHARE_PIECES = 64
-
-
-class Piece(NamedTuple):
-    """Arena bytes [start, end) are ``chunk.data[offset : offset + end - start]``.
-    (A named tuple: a snapshot makes several, and a frozen dataclass costs 3x to build.)"""
-
-    start: int
-    end: int
-    chunk: Chunk
-    offset: int
-
-    def view(self, start: int | None = None, end: int | None = None) -> torch.Tensor:
-        s, e = self.start if start is None else start, self.end if end is None else end
-        return self.chunk.data[self.offset + s - self.start:self.offset + e - self.start]
-
-
-class Record:
-    """A capsule inside the store: its info, where its bytes are, and its boundary log."""
-
-    __slots__ = ("info", "_pieces", "log", "last_used", "path", "file_info", "job", "_plans")
-
-    def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
-        self.info, self._pieces, self._plans, self.log, self.path = info, pieces, {}, log_runs, path
-        # A disk capsule: the info its file gave when it was loaded or written. Each later read
-        # of the file must give it again (``info`` may differ: a name taken by an older capsule).
-        self.file_info = info if path is not None else None
-        self.last_used = time.monotonic()
-        self.job = None   # the digest job (see DigestQueue); None: the digest is final
-
-    @property
-    def pieces(self) -> list[Piece]:
-        return self._pieces
-
-    @pieces.setter
-    def pieces(self, pieces: list[Piece]) -> None:
-        # The plans' views would keep the old chunks' memory alive (a spilled capsule's host buffer).
-        self._pieces, self._plans = pieces, {}
-
-    def pieces_in(self, start: int, end: int) -> list[Piece]:
-        return _slice(self.pieces, start, end)
-
-    def restore_plan(self, buffer: torch.Tensor, layout: Layout, keep_rows: int) -> "RestorePlan":
-        """The copies that restore this capsule into ``buffer`` when its per-token rows
-        [0:keep_rows] are there already. Sliced once and reused for the two cases that
-        repeat: a full restore, and a return from a state that descends from this capsule
-        (a checkpoint the robot keeps going back to)."""
-        position = self.info.position
-        keep = keep_rows if keep_rows < position else position   # not min(): every restore's path, cold
-        plan = self._plans.get(keep)
-        if plan is None or plan.buffer is not buffer:
-            ranges = layout.ranges(position, keep)
-            plan = RestorePlan(self.pieces, ranges, buffer, layout.fixed_bytes)
-            if keep in (0, position):
-                self._plans[keep] = plan
-        return plan
-
-
-class RestorePlan:
-    """A restore's copies, prepared once: byte spans for one ``span_copy`` call on a CPU, else
-    arena and capsule views paired up for one batched torch copy."""
-
-    __slots__ = ("buffer", "arena", "capsule", "same_device", "spans", "fixed", "fixed_owner")
-
-    def __init__(self, pieces: list[Piece], ranges: list[tuple[int, int]], buffer: torch.Tensor,
-                 fixed_bytes: int) -> None:
-        self.buffer = buffer
-        parts = [q for s, e in ranges for q in _slice(pieces, s, e)]
-        self.same_device = all(q.chunk.data.device == buffer.device for q in parts)
-        self.spans = None
-        if self.same_device and buffer.device.type == "cpu" and span_copy.available():
-            # Pieces lie inside their chunks and arena ranges inside the buffer, by construction.
-            at = span_copy.address_of(buffer, max(q.end for q in parts) if parts else 0)
-            self.spans = span_copy.SpanCopy(_spans_into_arena(parts, at), keep=[q.chunk for q in parts])
-            self.arena = self.capsule = []
-        else:
-            self.arena = [buffer[q.start:q.end] for q in parts]
-            self.capsule = [q.view() for q in parts]
-        fixed = _slice(pieces, 0, fixed_bytes)
-        if len(fixed) == 1 and fixed[0].chunk.tier != "disk":   # a view of the capsule's own memory
-            self.fixed, self.fixed_owner = fixed[0].view(), fixed[0].chunk
-        elif len(fixed) == 1:   # bytes read from a file, which is all held until a copy of its part is
-            self.fixed, self.fixed_owner = fixed[0].view().clone(), None
-        else:
-            self.fixed, self.fixed_owner = torch.cat([p.view() for p in fixed]), None
-
-    def run(self, during: Callable[[], None] | None = None) -> None:
-        """``during``: called while the bytes copy on a CPU (see ``span_copy.copy_rows``), else after
-        the copies are queued; either way before this returns."""
-        if self.spans is not None:
-            self.spans(during)
-            return
-        if self.same_device:
-            # One dispatch for every piece: on small states the per-copy Python cost is
-            # what separates a restore from a plain copy of the same bytes.
-            if self.arena:   # none for groups with no live bytes; torch refuses an empty list
-                torch._foreach_copy_(self.arena, self.capsule, non_blocking=True)
-        else:
-            for dst, src in zip(self.arena, self.capsule):
-                dst.copy_(src, non_blocking=True)
-        if during is not None:
-            during()
-
-
-def _slice(pieces: list[Piece], start: int, end: int) -> list[Piece]:
-    """Sub-pieces covering arena bytes [start, end) (possibly none)."""
-    out = []
-    for p in pieces:
-        s, e = max(p.start, start), min(p.end, end)
-        if s < e:
-            out.append(Piece(s, e, p.chunk, p.offset + s - p.start))
-    return out
-
-
-def _spans_into_arena(pieces: list[Piece], arena_address: int) -> list[int]:
-    """Flat (destination, source, length) triples for ``span_copy`` from each piece's chunk
-    bytes to its arena bytes (the arena buffer at ``arena_address``): a restore's copies
-    (a snapshot's are built in C, ``span_copy.copy_rows``)."""
-    out: list[int] = []
-    for p in pieces:
-        out += (arena_address + p.start, p.chunk.address + p.offset, p.end - p.start)
-    return out
-
-
-def _same_bytes_until(a: list[Piece], b: list[Piece], start: int, end: int) -> int:
-    """The arena byte up to which ``a`` and ``b`` map [start, end) onto the very same chunk
-    bytes (both lists from ``_slice``, so sorted and touching); ``start`` if not even the first."""
-    a, b = _slice(a, start, end), _slice(b, start, end)
-    i = j = 0
-    pos = start
-    while pos < end and i < len(a) and j < len(b):
-        pa, pb = a[i], b[j]
-        if pa.start > pos or pb.start > pos or pa.chunk is not pb.chunk or \
-                pa.offset - pa.start != pb.offset - pb.start:
-            break
-        pos = min(pa.end, pb.end)
-        i += pos == pa.end
-        j += pos == pb.end
-    return pos
-
-
-# Each store's id generator is seeded again in a forked child, and its ids made ahead are
-# thrown away: the child would otherwise make the parent's ids (and overwrite its disk
-# capsules in a shared capsule_dir).
-_STORES: "weakref.WeakSet[CapsuleStore]" = weakref.WeakSet()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: [store._new_ids() for store in list(_STORES)])
 
 
 class CapsuleStore:
@@ -212,20 +67,12 @@ class CapsuleStore:
         # Capsules the call in progress works from: no spill it sets off, however far down the
         # tiers it cascades, may move or evict them.
         self._spared: list[Record] = []
-        # The engine passes its own lock: one lock orders every state change, and
-        # the digest thread's releases (which may touch the engine's rollback ring)
-        # wait for the current step instead of racing it.
+        # The engine passes its own lock: one lock orders every state change, the digest
+        # thread's included.
         self._lock = lock or threading.RLock()
         self._held = HeldEvents(self._lock, self._deliver)
         self._listeners: list[Callable[[str, CapsuleInfo], None]] = [on_event] if on_event else []
-        self.before_free: list[Callable[[Chunk], None]] = []
         self._pin_host = device.type == "cuda"
-        # Tiers whose chunks sit on the arena's device, where a snapshot is one batched copy.
-        self._local = {"device": True, "host": device.type == "cpu"}
-        self._span_copy = device.type == "cpu" and span_copy.available()   # else torch copies
-        self._buffer: tuple[torch.Tensor, int] | None = None   # the arena buffer and its address
-        self._ids, self._id_stock = random.Random(), []   # see _new_id
-        _STORES.add(self)
         try:
             self.pool = DevicePool(self._budgets.get("device", 0), device)
         except (RuntimeError, MemoryError) as exc:   # torch's out-of-memory errors are RuntimeErrors
@@ -299,12 +146,14 @@ class CapsuleStore:
         return record.info
 
     # ---- capture ---------------------------------------------------------------------------------
-    def capture(self, buffer: torch.Tensor, position: int, *, name: str | None, tier: str, pin: bool,
-                parent: str, base: tuple[Record, int] | None, log_runs: tuple) -> Record:
-        """Copy the live state out of ``buffer`` into a new capsule.
+    def plan_snapshot(self, position: int, *, name: str | None, tier: str, pin: bool, parent: str,
+                      base: tuple[Record, int] | None, log_runs: tuple) -> SnapshotPlan:
+        """The memory for a capsule of the live state at ``position``, allocated (spilling
+        others to make room), with the copies that fill it. Nothing is registered until
+        ``add``; ``discard`` gives the memory back.
 
-        ``base`` = (record, p): the live per-token rows [0:p] are byte-equal to
-        that record's, so they are referenced instead of copied.
+        ``base`` = (record, p): the live per-token rows [0:p] are byte-equal to that
+        record's, so they are referenced instead of copied.
         """
         name = check_name(name)
         check_tier(tier)
@@ -312,82 +161,70 @@ class CapsuleStore:
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             if tier == "disk":
-                return self._capture_disk(buffer, position, name, pin, parent, log_runs)
-            shared: list[Piece] = []
-            start = 0
-            if base is not None and base[0].info.id in self._records and base[0].info.tier == tier \
-                    and len(base[0].pieces) <= SHARE_PIECES:
-                start = min(base[1], position)
-                for r in self.layout.regions:
-                    if r.per_token and start:
-                        shared += base[0].pieces_in(r.offset, r.offset + start * r.row_bytes)
-            # Checked before anything is allocated: a refused buffer must leave no chunk behind.
-            at = self._address_of(buffer) if self._local[tier] and self._span_copy else 0
+                self._require_dir()
+            shared, start = self._shared_prefix(base, tier, position)
             nbytes = self.layout.ranges_bytes(position, start)
-            # In a CPU pool, where first fit will place the chunk is known before it is made: the
-            # copy starts there at once, and the chunk is allocated while it runs (nothing else
-            # changes the pool meanwhile: every change takes this lock). From a cold cache the
-            # allocation took some 15 us before the copy could start (bench VM).
-            into = self.pool.address_for(nbytes) if at and tier == "device" else 0
-            chunk: Chunk | None = None
-            record: Record | None = None
-
-            def register(pieces: list[Piece] | None = None) -> None:
-                nonlocal chunk, record
-                if chunk is None:
+            if tier == "disk":   # a staging buffer: the bytes are counted once they are in their file
+                chunk = Chunk.holding("disk", torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_host))
+            else:
+                try:
+                    # Room is made without spilling the base: that would free the very rows shared here.
+                    chunk = self._allocate(tier, nbytes, spare=base[0] if shared else None)
+                except BudgetExceeded:
+                    if not shared:
+                        raise
+                    shared, start = [], 0   # copy it all; the base may go
+                    nbytes = self.layout.ranges_bytes(position)
                     chunk = self._allocate(tier, nbytes)
-                    # A safety net for a bug: the bytes, already on their way to ``into``, cannot be
-                    # called back, but a chunk elsewhere is never registered as holding them.
-                    if chunk.address != into:
-                        raise RuntimeError(f"capsule pool placed a chunk at {chunk.address:#x}, not {into:#x}")
-                if pieces is None:
-                    pieces = _pieces_over(chunk, self.layout.ranges(position, start))
-                kept = sorted(shared + pieces, key=lambda p: p.start) if shared else pieces
-                record = self._register(kept, position, name, tier, pin, parent, nbytes, log_runs)
+            ranges = self.layout.ranges(position, start)
+            info = CapsuleInfo(id="", name=name, parent=parent, position=position, nbytes=nbytes, tier=tier,
+                               pinned=bool(pin), created=0.0, model_fingerprint=self.model_fingerprint,
+                               layout_fingerprint=self.layout.fingerprint, digest="", history_hash="",
+                               region_table=self.layout.table)
+            return SnapshotPlan(info, log_runs, tier, chunk, ranges, laid_out(chunk, ranges), shared, nbytes)
 
-            try:
-                if not into:
-                    try:
-                        # Room is made without spilling the base: that would free the very rows shared here.
-                        chunk = self._allocate(tier, nbytes, spare=base[0] if shared else None)
-                    except BudgetExceeded:
-                        if not shared:
-                            raise
-                        shared, start = [], 0   # copy it all; the base may go
-                        nbytes = self.layout.ranges_bytes(position)
-                        chunk = self._allocate(tier, nbytes)
-                    into = chunk.address if at else 0
-                if into:
-                    # The other threads copy while this one does the bookkeeping, the allocation
-                    # included (see the README's Capsule copies for the figures).
-                    span_copy.copy_rows(into, at, self.layout.fixed_bytes, self.layout.rows, start, position,
-                                        during=register)
-                else:
-                    ranges = self.layout.ranges(position, start)
-                    pieces = _pieces_over(chunk, ranges)
-                    if self._local[tier]:
-                        # One dispatch for every range (see RestorePlan.run); ``cat`` into the
-                        # chunk took 1.35x as long as this at 3.8 MiB.
-                        torch._foreach_copy_([p.view() for p in pieces], [buffer[s:e] for s, e in ranges])
-                    else:
-                        for p in pieces:
-                            p.view().copy_(buffer[p.start:p.end], non_blocking=True)
-                    # The digest thread reads these bytes on the CPU, from its own stream: on a GPU
-                    # it waits for this one's copies (a caller's stream need not be the default one).
-                    chunk.copied_from(buffer.device)
-                    register(pieces)
-            except BaseException:
-                if record is None and chunk is not None:   # nothing holds it: a failed snapshot keeps no bytes
-                    self._free(chunk)
-                raise
-            finally:
-                # Queued once the bytes are all there, as the digest job reads them; also when
-                # the call is interrupted after the copy (a Ctrl-C is raised as the C call
-                # returns), or the record would keep an empty digest and a hold never released.
-                if record is not None:
-                    self.digests.submit(record, list(record.pieces))
+    def add(self, plan: SnapshotPlan) -> Record:
+        """The capsule of a snapshot plan whose copies are done. A disk capsule is written to its
+        file here (CapsuleIOError if that fails; nothing is kept then)."""
+        with self._held:
+            if plan.added:
+                raise InvalidCapsuleRequest("this snapshot plan is a capsule already")
+            if plan.tier == "disk":
+                record = self._add_disk(plan)
+            else:
+                pieces = sorted(plan.shared + plan.copied, key=lambda q: q.start) if plan.shared else plan.copied
+                record = self._register(pieces, plan.info, plan.log)
+                plan.added = True   # its chunk is the record's now, whatever comes next
+                self.digests.submit(record, list(record.pieces))
+            plan.added = True
             self._emit("snapshot", record.info)
         return record
+
+    def operation(self) -> HeldEvents:
+        """``with store.operation():`` around several calls that make one operation (a snapshot's
+        plan, copy and add): the events they raise reach listeners once all of it is done."""
+        return self._held
+
+    def discard(self, plan: SnapshotPlan) -> None:
+        """Give back the memory of a snapshot plan that did not become a capsule."""
+        with self._held:
+            if not plan.added and plan.tier != "disk":
+                plan.added = True   # once only
+                self._free(plan.chunk)
+
+    def _shared_prefix(self, base: tuple[Record, int] | None, tier: str, position: int) -> tuple[list[Piece], int]:
+        """The base capsule's pieces that hold the live per-token rows [0:p] a new capsule in
+        ``tier`` can reference, and p (0: nothing shared)."""
+        if base is None or base[0].info.id not in self._records or base[0].info.tier != tier \
+                or tier == "disk" or len(base[0].pieces) > SHARE_PIECES:
+            return [], 0
+        start = min(base[1], position)
+        shared: list[Piece] = []
+        if start:
+            for r in self.layout.regions:
+                if r.per_token:
+                    shared += base[0].pieces_in(r.offset, r.offset + start * r.row_bytes)
+        return shared, start
 
     def fork(self, source: Record, name: str | None) -> Record:
         """A new capsule with the same bytes as ``source``: metadata only, every chunk shared.
@@ -405,11 +242,12 @@ class CapsuleStore:
                     data, ranges = self._read_disk(source)
                     chunk = self._allocate("host", data.numel(), spare=source)
                     chunk.data.copy_(data)
-                    pieces, tier, nbytes = _pieces_over(chunk, ranges), "host", data.numel()
+                    pieces, tier, nbytes = laid_out(chunk, ranges), "host", data.numel()
                 else:
                     pieces, tier, nbytes = list(source.pieces), source.info.tier, 0
-                record = self._register(pieces, source.info.position, name, tier, False, source.info.id, nbytes,
-                                        source.log, known=known)
+                info = source.info._replace(name=name, parent=source.info.id, nbytes=nbytes, tier=tier, pinned=False,
+                                            digest=known[0] if known else "", history_hash=known[1] if known else "")
+                record = self._register(pieces, info, source.log, final=known is not None)
             except BaseException:   # a Ctrl-C included: a fork that failed keeps no host bytes
                 if record is None and chunk is not None:
                     self._free(chunk)
@@ -427,7 +265,7 @@ class CapsuleStore:
         with self._held:
             for offset, row_bytes in self.layout.rows:
                 if rows:
-                    same = _same_bytes_until(record.pieces, other.pieces, offset, offset + rows * row_bytes)
+                    same = same_bytes_until(record.pieces, other.pieces, offset, offset + rows * row_bytes)
                     rows = min(rows, (same - offset) // row_bytes)
             return rows
 
@@ -454,54 +292,36 @@ class CapsuleStore:
         if actual != record.info.digest:
             raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
 
-    def write_back(self, record: Record, buffer: torch.Tensor, groups: Sequence[str] | None = None,
-                   keep_rows: int = 0,
-                   during: Callable[[torch.Tensor, Chunk | None], None] | None = None) -> tuple[torch.Tensor, Chunk | None]:
-        """Copy the capsule's bytes (only ``groups``, when given) into ``buffer``.
+    def plan_restore(self, record: Record, keep_rows: int = 0, groups: Sequence[str] | None = None) -> RestorePlan:
+        """The copies that make the capsule's state (only ``groups``, when given) the arena's.
 
-        ``keep_rows``: the per-token rows [0:keep_rows] of ``buffer`` hold this
-        capsule's bytes already (the live state descends from it), so they are
-        not copied again.
-
-        Everything that can fail (reading and verifying a disk capsule) happens
-        before the first byte of ``buffer`` changes. Returns a view of the
-        capsule's fixed-size block and the chunk it lives in (None if it belongs
-        to nobody), so rollback can start from it without a copy; a
-        ``before_free`` hook hears about the chunk before its memory is reused.
-        ``during``: called with those two while the bytes copy (on a CPU; see
-        ``RestorePlan.run``): the caller's own bookkeeping, hidden behind the copy.
+        ``keep_rows``: the arena's per-token rows [0:keep_rows] hold this capsule's bytes
+        already (the live state descends from it), so they are not copied again. A disk
+        capsule's file is read and verified here, into memory the plan owns.
         """
         with self._held:
-            if groups is None and record.info.tier != "disk":
-                plan = record.restore_plan(buffer, self.layout, keep_rows)
-            else:  # one-off plans: a disk capsule's bytes are read afresh, a group restore is an ablation
-                if record.info.tier == "disk":
-                    data, ranges = self._read_disk(record)
-                    pieces = _pieces_over(Chunk.holding("disk", data), ranges)
-                else:
-                    pieces = record.pieces
-                wanted = (self.layout.group_ranges(record.info.position, groups) if groups is not None
-                          else self.layout.ranges(record.info.position, min(keep_rows, record.info.position)))
-                plan = RestorePlan(pieces, wanted, buffer, self.layout.fixed_bytes)
-            plan.run(None if during is None else lambda: during(plan.fixed, plan.fixed_owner))
+            position = record.info.position
+            if record.info.tier == "disk":
+                data, ranges = self._read_disk(record)
+                pieces = laid_out(Chunk.holding("disk", data), ranges)
+            else:
+                pieces = record.pieces
+            wanted = (self.layout.group_ranges(position, groups) if groups is not None
+                      else self.layout.ranges(position, min(keep_rows, position)))
             record.last_used = time.monotonic()
-            return plan.fixed, plan.fixed_owner
+            return RestorePlan(record, pieces, wanted)
 
     # ---- internals -------------------------------------------------------------------------------
-    def _register(self, pieces: list[Piece], position: int, name: str, tier: str, pin: bool, parent: str,
-                  nbytes: int, log_runs: tuple, known: tuple[str, str] | None = None) -> Record:
-        """``known``: the (digest, history hash) of these very bytes, when already computed.
-        Otherwise the record's digest job holds its chunks too, and the caller submits that
-        job (``digests.submit``) once the bytes are all there."""
-        digest, history = known or ("", "")
-        # Positional, in field order: keywords cost a cold snapshot several microseconds.
-        info = CapsuleInfo(self._new_id(), name, parent, position, nbytes, tier, bool(pin), time.time(),
-                           self.model_fingerprint, self.layout.fingerprint, digest, history, self.layout.table)
+    def _register(self, pieces: list[Piece], info: CapsuleInfo, log_runs: tuple, final: bool = False) -> Record:
+        """A new capsule of ``info`` (its id and creation time made here) over ``pieces``.
+        ``final``: its digest is known (a fork of a hashed capsule). Otherwise the record's
+        digest job holds its chunks too, and the caller submits that job (``digests.submit``)."""
+        info = info._replace(id=secrets.token_hex(8), created=time.time())
         # Two holds per chunk while a digest is pending: the record's, and its digest job's
         # (which keeps the chunks alive if the capsule is dropped before it is hashed).
-        holds, held = 1 if known else 2, []
+        holds, held = 1 if final else 2, []
         try:
-            for chunk in _chunks(pieces):
+            for chunk in chunks_of(pieces):
                 chunk.refs += holds
                 held.append(chunk)
             record = Record(info, pieces, log_runs)
@@ -516,15 +336,13 @@ class CapsuleStore:
         return record
 
     def _release(self, pieces: list[Piece]) -> None:
-        for chunk in _chunks(pieces):
+        for chunk in chunks_of(pieces):
             chunk.refs -= 1
             if chunk.refs == 0:
                 self._free(chunk)
 
     def _free(self, chunk: Chunk) -> None:
         self._used[chunk.tier] -= chunk.nbytes
-        for hook in self.before_free:
-            hook(chunk)
         if chunk.tier == "device":
             self.pool.release(chunk)
 
@@ -553,30 +371,11 @@ class CapsuleStore:
                 self._emit("digest", record.info)
 
     def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
-        covering = record.pieces_in(start, end) if pieces is None else _slice(pieces, start, end)
+        covering = record.pieces_in(start, end) if pieces is None else cut(pieces, start, end)
         parts = [p.chunk.readable(p.offset, p.end - p.start) for p in covering]
         if sum(p.size for p in parts) != end - start:
             raise CorruptCapsule(f"capsule {record.info.id} does not cover arena bytes [{start}, {end})")
         return parts
-
-    def _new_id(self) -> str:
-        # 64 random bits, as secrets.token_hex(8) gives, from a generator seeded from os.urandom
-        # (at start and in a forked child): no system call on the snapshot path (15-20 us cold).
-        # Made 64 at a time: one id drawn and formatted from a cold cache cost 15 us, a pop 1.
-        if not self._id_stock:
-            self._id_stock = [f"{self._ids.getrandbits(64):016x}" for _ in range(64)]
-        return self._id_stock.pop()
-
-    def _new_ids(self) -> None:
-        """Forget the ids made ahead and seed the generator afresh (in a forked child)."""
-        self._ids.seed()
-        self._id_stock = []
-
-    def _address_of(self, buffer: torch.Tensor) -> int:
-        """The arena buffer's address (checked once: the engine passes the same buffer)."""
-        if self._buffer is None or self._buffer[0] is not buffer:
-            self._buffer = (buffer, span_copy.address_of(buffer, self.layout.nbytes))
-        return self._buffer[1]
 
     def _allocate(self, tier: str, nbytes: int, spare: Record | None = None) -> Chunk:
         """A chunk of ``nbytes`` on ``tier``, spilling to make room: never ``spare``, also not
@@ -651,7 +450,7 @@ class CapsuleStore:
             # One hold per chunk for the record, one more for its digest job until settled.
             holders = [victim.pieces] + ([victim.job.pieces] if victim.job and victim.job.state != SETTLED else [])
             for pieces in holders:
-                for chunk in _chunks(pieces):
+                for chunk in chunks_of(pieces):
                     chunks[id(chunk)] = chunk
                     held[id(chunk)] = held.get(id(chunk), 0) + 1
         freed = [c for key, c in chunks.items() if held[key] == c.refs]
@@ -680,7 +479,7 @@ class CapsuleStore:
                 chunk = self._allocate("host", data.numel())
                 chunk.data.copy_(data)
                 chunk.refs += 1
-                record.pieces = _pieces_over(chunk, ranges)
+                record.pieces = laid_out(chunk, ranges)
                 record.info = record.info._replace(tier="host", nbytes=data.numel())
             else:
                 # On disk a capsule holds all of its bytes: the header must say so, since a
@@ -730,22 +529,16 @@ class CapsuleStore:
             raise InvalidCapsuleRequest("the disk tier needs a capsule_dir")
         return self.dir
 
-    def _capture_disk(self, buffer: torch.Tensor, position: int, name: str, pin: bool, parent: str,
-                      log_runs: tuple) -> Record:
-        self._require_dir()
-        ranges = self.layout.ranges(position)
-        data = torch.cat([buffer[s:e].cpu() for s, e in ranges])
-        info = CapsuleInfo(
-            id=self._new_id(), name=name, parent=parent, position=position, nbytes=data.numel(), tier="disk",
-            pinned=bool(pin), created=time.time(), model_fingerprint=self.model_fingerprint,
-            layout_fingerprint=self.layout.fingerprint, digest="", history_hash="", region_table=self.layout.table)
-        read = disk_capsules.range_reader(ranges, data)
-        info = info._replace(digest=state_digest(self.layout.regions, position, read),
-                             history_hash=history_digest(self.layout.regions, position, read))
-        path = self._write_disk(info, ranges, data, log_runs)
-        record = Record(info, [], log_runs, path)
+    def _add_disk(self, plan: SnapshotPlan) -> Record:
+        plan.chunk.wait()
+        data = plan.chunk.data
+        read = disk_capsules.range_reader(plan.ranges, data)
+        info = plan.info._replace(id=secrets.token_hex(8), created=time.time(),
+                                  digest=state_digest(self.layout.regions, plan.info.position, read),
+                                  history_hash=history_digest(self.layout.regions, plan.info.position, read))
+        path = self._write_disk(info, plan.ranges, data, plan.log)
+        record = Record(info, [], plan.log, path)
         self._records[info.id] = record
-        self._emit("snapshot", info)
         return record
 
     def _write_disk(self, info: CapsuleInfo, ranges: list[tuple[int, int]], data: torch.Tensor,
@@ -811,26 +604,8 @@ class CapsuleStore:
             self._used["disk"] += info.nbytes
 
 
+
+
 def _digest_final(record: Record) -> bool:
     """Whether the record's digest is computed (a failed hash leaves it empty)."""
     return (record.job is None or record.job.state in (FINISHED, SETTLED)) and record.info.digest != ""
-
-
-def _chunks(pieces: list[Piece]) -> Iterable[Chunk]:
-    """The chunks ``pieces`` lie in, each once, in order (Chunk has no __eq__: by identity).
-    Linear: a capsule at the end of a chain of snapshots, each sharing its base's rows, has up
-    to SHARE_PIECES pieces over a third as many chunks. A plain loop: from a cold cache
-    dict.fromkeys over a map took 9 us more for a snapshot's three pieces."""
-    seen: dict[Chunk, None] = {}
-    for p in pieces:
-        seen[p.chunk] = None
-    return seen
-
-
-def _pieces_over(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]:
-    """Pieces for ``ranges`` laid end to end in ``chunk``."""
-    pieces, offset = [], 0
-    for s, e in ranges:
-        pieces.append(Piece(s, e, chunk, offset))
-        offset += e - s
-    return pieces

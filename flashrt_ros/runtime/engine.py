@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -23,17 +24,17 @@ from .arena import GROUPS, StateArena
 from .config import ModelConfig
 from .fairlock import FairRLock
 from .graph import Step
-from .history import DECODE, PREFILL, STEP, BoundaryLog, RollbackRing
+from .history import DECODE, PREFILL, STEP, Boundary, RingSlots, appended, between as runs_between, truncated
 from .inputs import is_int
 from .models.qwen35 import Qwen35, state_specs
-from .projection import blocked_layout_serves, cap_onednn_like_torch, native_rows_serve
+from .backends import cpu as cpu_backend
 
 log = logging.getLogger(__name__)
 
 # float64 is there to check the arithmetic itself against a float64 reference.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OPTIONS = {"cuda_graphs": True, "static_shapes": False, "prefill_chunk": 512, "flush_denormal": True,
-            "decode_threads": 0, "prefill_blocked": True, "decode_native": True, "capsule_dir": None, "budgets": None,
+            "decode_threads": 0, "cpu_kernels": True, "capsule_dir": None, "budgets": None,
             "spill": True, "rollback_depth": 8, "capsule_key": None}
 
 
@@ -49,29 +50,15 @@ class Engine:
         (default True). Decaying recurrent states reach denormal floats, which make
         x86 arithmetic several times slower; the flag persists on that thread.
       decode_threads: on a CPU, the torch thread count for one-row steps (decode and
-        policy steps); 0 (default) keeps torch's own. One-row projections spread their
-        work over the threads (``projection.project``), so fewer threads mean a slower step.
-      prefill_blocked: on an x86 CPU in float32, prefill multiplies by a second copy of
-        the projection weights in oneDNN's blocked layout (default True; weights of
-        512 KiB and more, so not the embedded default's): prefill ran 1.35x as fast on
-        the bench model, for twice those weights' memory (the embedding and LM head are
-        not copied). False keeps one copy. The two round differently: a rollback replays
-        with the engine's own setting. ``engine.prefill_blocked`` says whether any
-        product runs on a blocked copy.
+        policy steps); 0 (default) keeps torch's own.
+      cpu_kernels: on a CPU in float32, run the CPU backend where the package's C library
+        is built (default True, ``runtime.backends.cpu``): products of up to a few rows
+        (decode and policy steps) on its row kernel, and every linear-attention mixer on its
+        delta kernel. They round otherwise than torch's, so a rollback or a replay runs
+        with the engine's own setting, and ``engine.cpu_kernels`` says which runs.
       capsule_key: bytes that sign every capsule file written (HMAC-SHA256); files without
         a valid signature are then refused, at start and on restore (``capsule.signing``).
         None (default): files carry digests, which catch accidents, not deliberate edits.
-      decode_native: on a CPU in float32, one-row products (decode and policy steps) run
-        on the C kernel of ``runtime.row_product`` where it is built (default True),
-        and so do the attention layers between them (``runtime.delta_step``,
-        ``runtime.attention_step``) and the norms around them (``runtime.row_ops``):
-        the bench model's decode step took 8.1-8.8 against 13.2-13.7 ms on torch side
-        by side, before the tiled weights took off 0.4-1 ms more. Prefill's linear-
-        attention mixers run on ``runtime.delta_step`` too (2.1 against about 6 ms per
-        layer for 512 tokens). They give the same bytes for any thread count (and on
-        machines whose libm ``expf`` agrees); the fallback rounds otherwise, so a
-        rollback or replay runs with the engine's own setting, and
-        ``engine.decode_native`` says which one runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",
@@ -100,7 +87,7 @@ class Engine:
         if key is not None and (not isinstance(key, bytes) or not signing.MIN_KEY_BYTES <= len(key) <= signing.MAX_KEY_BYTES):
             raise InvalidArgument(f"capsule_key must be None or {signing.MIN_KEY_BYTES} to {signing.MAX_KEY_BYTES} "
                                   f"bytes (signing.load_key reads a key file), got {type(key).__name__}")
-        for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill", "prefill_blocked", "decode_native"):
+        for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill", "cpu_kernels"):
             if not isinstance(opts[key], bool):   # bool("false") is True
                 raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
         weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
@@ -125,30 +112,21 @@ class Engine:
             except BaseException as exc:
                 if hasattr(self, "capsules"):   # its digest thread and device pool: a refusal keeps nothing
                     self.capsules.close()
-                # The allocator's own error: the weights, their blocked copy or the state do not fit.
+                # The allocator's own error: the weights or the state do not fit.
                 if not isinstance(exc, torch.OutOfMemoryError) and not (
                         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
                     raise
                 raise InvalidArgument(f"the engine does not fit in {self.device}'s memory (max_seq_len="
-                                      f"{self.max_seq_len}, rollback_depth={opts['rollback_depth']}, prefill_blocked="
-                                      f"{opts['prefill_blocked']}): {str(exc).splitlines()[0][:200]}") from None
+                                      f"{self.max_seq_len}, rollback_depth={opts['rollback_depth']}): "
+                                      f"{str(exc).splitlines()[0][:200]}") from None
 
     def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
-        blocked = bool(opts["prefill_blocked"]) and blocked_layout_serves(self.device, self.dtype)
-        if blocked:
-            cap_onednn_like_torch()
-        native = bool(opts["decode_native"]) and native_rows_serve(self.device, self.dtype)
-        if opts["decode_native"] and not native and self.device.type == "cpu" and self.dtype == torch.float32:
-            log.warning("the row-product kernel (src/row_product.c) is not built: decode runs on torch's slower "
-                        "products; build the package with a C compiler (colcon build, or pip install .)")
-        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, blocked=blocked,
-                            native_rows=native)
-        # Whether any of prefill's products runs on blocked weights (small ones never do; see
-        # Projection), and whether one-row products run on the C kernel: either way they round
-        # differently, so a replay must match both.
-        self.prefill_blocked = self.model.has_blocked_products()
-        self.decode_native = self.model.has_native_rows()
+        self.cpu_kernels = bool(opts["cpu_kernels"]) and cpu_backend.serves(self.device, self.dtype)
+        if opts["cpu_kernels"] and not self.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+            log.warning("the package's C library (src/) is not built: decode runs on the torch reference path; "
+                        "build the package with a C compiler (colcon build, or pip install .)")
+        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, cpu_kernels=self.cpu_kernels)
         # The weights as given plus the dtype the engine computes in: the model keeps norms,
         # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it
         # are not the same model (hashing the cast weights once let such a model's capsule in).
@@ -157,9 +135,6 @@ class Engine:
         self.arena = StateArena(state_specs(cfg, self.max_seq_len, self.dtype), self.device)
         self.model.bind(self.arena)
         self.layout_fingerprint = self.arena.layout_fingerprint()
-        self._position = 0
-        self._lineage = 0
-        self._rollback_origin = ""
         depth = int(opts["rollback_depth"])   # checked in __init__
         budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
         budgets.update(opts["budgets"] or {})
@@ -167,10 +142,8 @@ class Engine:
             Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
             self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"], lock=self._lock,
             log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE), key=opts["capsule_key"])
-        self._log = BoundaryLog()
-        self._ring = RollbackRing(depth, self.arena.fixed_bytes, self.device)
-        self.capsules.before_free.append(self._ring.unborrow)
-        self._base = None  # (capsule record, p): live per-token rows [0:p] equal that capsule's
+        self._slots = RingSlots(depth, self.arena.fixed_bytes, self.device)
+        self._state = Boundary()
         # 4. warm up + 5. capture graphs (the warm-up writes state, so zero it after)
         self.cuda_graphs = bool(opts["cuda_graphs"]) and self.device.type == "cuda"
         # Decode over every cache row with a mask (what a graph needs) rather than the live rows:
@@ -185,18 +158,18 @@ class Engine:
 
         with torch.inference_mode():
             self._token_step = step(
-                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes)))
+                lambda: self.model.token_step(self.model.decode_span(self._state.position, self.fixed_shapes)))
             self._sample_step = step(
-                lambda: self.model.token_step(self.model.decode_span(self._position, self.fixed_shapes), sampled=True))
+                lambda: self.model.token_step(self.model.decode_span(self._state.position, self.fixed_shapes), sampled=True))
             self._policy_step = None
             if cfg.policy:
                 self._obs_in = torch.zeros(cfg.obs_dim, device=self.device)
                 self._action_out = torch.zeros(cfg.action_dim, device=self.device)
                 self._policy_step = step(
                     lambda: self.model.policy_step(self._obs_in, self._action_out,
-                                                   self.model.decode_span(self._position, self.fixed_shapes)))
+                                                   self.model.decode_span(self._state.position, self.fixed_shapes)))
             self.arena.buffer.zero_()
-            self._ring.push(self.arena.buffer, 0)
+            self._state = Boundary(ring=self._slots.saved((), self.arena.buffer, 0))
         if self.cuda_graphs:
             torch.cuda.synchronize(self.device)
 
@@ -238,20 +211,20 @@ class Engine:
     @property
     def position(self) -> int:
         """Committed positions (tokens and observation steps) in the state."""
-        return self._position
+        return self._state.position
 
     @property
     def lineage(self) -> int:
         """Changes whenever the live state is replaced rather than extended: a restore, a
         rollback that moves back, a reset. A caller committing tokens across several calls
         (a generate goal) checks it under ``lock`` to know that it still extends its own state."""
-        return self._lineage
+        return self._state.lineage
 
     @property
     def rollback_origin(self) -> str:
         """The id of the capsule the last ``rollback(to_position=...)`` started its replay from
         ("" when it started from the ring or from the empty state)."""
-        return self._rollback_origin
+        return self._state.origin
 
     @property
     def sampling_seed(self) -> int:
@@ -261,7 +234,7 @@ class Engine:
 
     @property
     def rollback_depth(self) -> int:
-        return self._ring.depth
+        return self._slots.depth
 
     @property
     def region_table(self) -> tuple[dict, ...]:
@@ -275,7 +248,7 @@ class Engine:
     def state_digest(self) -> str:
         """blake2b over every region's live bytes (per-token regions only up to position)."""
         with self._lock:
-            return self.arena.digest(self._position)
+            return self.arena.digest(self._state.position)
 
     def close(self) -> None:
         """Release the capsule store's memory and its digest thread (disk capsules stay on
@@ -293,12 +266,7 @@ class Engine:
         """Back to the empty state (position 0), as after construction. Capsules stay."""
         with self._lock:
             self.arena.buffer.zero_()
-            self._position = 0
-            self._lineage += 1
-            self._log = BoundaryLog()
-            self._ring.clear()
-            self._ring.push(self.arena.buffer, 0)
-            self._base = None
+            self._state = Boundary(lineage=self._state.lineage + 1, ring=self._slots.saved((), self.arena.buffer, 0))
 
     # ---- work ----------------------------------------------------------------------------------
     @contextmanager
@@ -336,17 +304,18 @@ class Engine:
         try:
             yield
         except BaseException:
-            self._go_back(0)
+            if self._state.ring:   # empty only after an interrupted restore: the state is unknown then
+                self._slots.load(self._state.ring[-1], self.arena.buffer)
             raise
 
     def _commit_prefill(self, ids: torch.Tensor) -> None:
-        start = self._position
+        at = self._state.position
         with self._whole_or_none():
             for first in range(0, ids.numel(), self._prefill_chunk):
                 chunk = ids[first:first + self._prefill_chunk]
-                self.model.prefill(chunk, self._position)
-                self._position += chunk.numel()
-            self._boundary(PREFILL, start, ids.numel())
+                self.model.prefill(chunk, at)
+                at += chunk.numel()
+            self._commit(PREFILL, ids.numel())
 
     def _commit_token(self, sampled: bool = False, logged: int | None = None) -> None:
         """One decode boundary: a token chosen now (greedy or ``sampled``), or in a replay the
@@ -358,9 +327,8 @@ class Engine:
                 (self._sample_step if sampled else self._token_step)()
             else:
                 self.model.commit_token(torch.tensor([logged], device=self.device),
-                                        self.model.decode_span(self._position, self.fixed_shapes))
-            self._position += 1
-            self._boundary(DECODE, self._position - 1, 1)
+                                        self.model.decode_span(self._state.position, self.fixed_shapes))
+            self._commit(DECODE, 1)
 
     def _commit_step(self, observation: torch.Tensor, finite_only: bool = False) -> None:
         """``finite_only``: raise _NotFinite, the boundary not committed, if the step drove the
@@ -371,13 +339,14 @@ class Engine:
             if finite_only and not (torch.isfinite(self._action_out).all()
                                     and torch.isfinite(self.model.last_hidden).all()):
                 raise _NotFinite
-            self._position += 1
-            self._boundary(STEP, self._position - 1, 1)
+            self._commit(STEP, 1)
 
-    def _boundary(self, kind: str, start: int, count: int) -> None:
-        """Bookkeeping of one committed boundary: the log run and the ring slot (no KV)."""
-        self._log.append(kind, start, count)
-        self._ring.push(self.arena.buffer, self._position)
+    def _commit(self, kind: str, count: int) -> None:
+        """The boundary after ``count`` rows of ``kind``: the log run and the ring slot (no KV)."""
+        state = self._state
+        position = state.position + count
+        self._state = replace(state, position=position, log=appended(state.log, kind, state.position, count),
+                              ring=self._slots.saved(state.ring, self.arena.buffer, position))
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [vocab] of the current state (fp32)."""
@@ -412,7 +381,7 @@ class Engine:
             inputs.check_seed(seed)
         with self._lock:
             self._check_room(n)
-            lineage = self._lineage
+            lineage = self._state.lineage
         return self._stream(n, sync_every, lineage, temperature, seed)
 
     def _stream(self, n: int, sync_every: int, lineage: int, temperature: float,
@@ -425,7 +394,7 @@ class Engine:
         read = 0
         for i in range(n):
             with self._work(step=True):
-                replaced = self._lineage != lineage
+                replaced = self._state.lineage != lineage
                 if not replaced:
                     self._check_room(1)
                     if seed is not None and i == 0:
@@ -433,10 +402,10 @@ class Engine:
                     if temperature > 0:   # set per step: another caller's stream may have set its own
                         self.model.temperature.fill_(temperature)
                     self._commit_token(sampled=temperature > 0)
-                    out[i] = self.model.tokens[self._position - 1]
+                    out[i] = self.model.tokens[self._state.position - 1]
             if replaced:   # yielded outside the lock: the consumer may take its time
                 yield from out[read:i].tolist()
-                raise Preempted(f"the live state was replaced (restore, rollback or reset) after {i} of "
+                raise Preempted(f"a restore or rollback (or a reset) replaced the live state after {i} of "
                                 f"{n} tokens; the stream stopped there")
             if sync_every and (i + 1) % sync_every == 0:
                 yield from out[read:i + 1].tolist()
@@ -461,7 +430,7 @@ class Engine:
                 # CUDA graph) reads every row and masks scores: 0 x NaN would still be NaN.
                 for region in self.arena.regions:
                     if region.per_token:
-                        self.arena[region.name][self._position].zero_()
+                        self.arena[region.name][self._state.position].zero_()
                 raise InvalidArgument(f"observation (largest magnitude {obs.abs().max().item():.3g}) drove the "
                                       "state to NaN or infinity; the step was undone") from None
             return _handed_out(self._action_out.cpu())
@@ -474,11 +443,18 @@ class Engine:
         from (the last one restored or taken) are referenced, not copied. The
         digest is computed in the background; ``capsules.get(id)`` waits for it.
         """
-        with self._lock:  # copies only: no inference mode or thread settings to pay for
-            record = self.capsules.capture(
-                self.arena.buffer, self._position, name=name, tier=tier, pin=pin,
-                parent=self._base[0].info.id if self._base else "", base=self._base, log_runs=self._log.snapshot())
-            self._base = (record, self._position)
+        with self._lock, self.capsules.operation():  # copies only: no inference mode or thread settings
+            state = self._state
+            plan = self.capsules.plan_snapshot(state.position, name=name, tier=tier, pin=pin,
+                                               parent=state.base[0].info.id if state.base else "",
+                                               base=state.base, log_runs=state.log)
+            try:
+                plan.copy(self.arena.buffer)
+                record = self.capsules.add(plan)
+            except BaseException:   # a failed snapshot keeps no bytes
+                self.capsules.discard(plan)
+                raise
+            self._state = replace(state, base=(record, state.position))
             return record.info
 
     def fork(self, source: str | CapsuleInfo | None = None, name: str | None = None) -> CapsuleInfo:
@@ -518,50 +494,38 @@ class Engine:
                 self.capsules.check_compatible(capsule)
             record = self.capsules.resolve(capsule)
             self.capsules.check_compatible(record)
-            position = record.info.position
             if regions is not None:
                 return self._restore_groups(record, regions, verify)
+            state = self._state
+            # Descending from a capsule, the live state holds that capsule's per-token rows
+            # [0:p] (KV is append-only); those this capsule shares with it are not copied.
+            keep = 0
+            if state.base is not None:
+                base, rows = state.base
+                keep = rows if base is record else self.capsules.shared_rows(record, base,
+                                                                             min(rows, record.info.position))
             backup = None
             if verify:
                 self.capsules.verify(record)
                 backup = self.arena.buffer.clone()
-            # Descending from a capsule, the live state holds that capsule's per-token rows
-            # [0:p] (KV is append-only); those this capsule shares with it are not copied.
-            keep = 0
-            if self._base is not None:
-                base, rows = self._base
-                keep = rows if base is record else self.capsules.shared_rows(record, base, min(rows, position))
-
-            def settle(fixed: torch.Tensor, owner: object) -> None:
-                self._position = position
-                self._lineage += 1
-                self._log = BoundaryLog(record.log)
-                self._ring.clear()
-                self._ring.borrow(fixed, position, owner)
-                self._base = (record, position)
-
-            # No base until settled: after a restore interrupted mid-copy (a Ctrl-C is raised in
-            # ``settle`` or as the copy returns) the live rows are no capsule's, and the next
-            # restore must not trust them and skip rows.
-            held_base, self._base = self._base, None
+            plan = self.capsules.plan_restore(record, keep)   # a refusal here has changed nothing
             try:
-                if not verify:
-                    # Settled while the bytes copy: nothing reads them before this returns, and the
-                    # lock keeps every other caller out (restore / copy at 1.6 MiB: see the README).
-                    self.capsules.write_back(record, self.arena.buffer, keep_rows=keep, during=settle)
-                    return record.info
-                fixed, owner = self.capsules.write_back(record, self.arena.buffer, keep_rows=keep)
-                if self.arena.digest(position) != record.info.digest:
-                    self.arena.buffer.copy_(backup)
-                    raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its digest")
-                settle(fixed, owner)
-                return record.info
-            except CapsuleError:   # refused before the first byte changed, or put back (verify)
-                self._base = held_base
-                raise
+                plan.copy(self.arena.buffer)
+                if verify and self.arena.digest(plan.position) != record.info.digest:
+                    raise _VerifyFailed
+                self._state = Boundary(position=plan.position, lineage=state.lineage + 1, log=plan.log,
+                                       base=(record, plan.position),
+                                       ring=self._slots.saved((), self.arena.buffer, plan.position))
+            except _VerifyFailed:
+                self.arena.buffer.copy_(backup)
+                raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its "
+                                     "digest") from None
             except BaseException:
-                self._ring.clear()   # the boundaries kept for rollback may no longer match the arena
+                # Interrupted part-way: the arena is neither state, so no boundary the ring holds
+                # matches it and its rows are no capsule's (the next restore copies them all).
+                self._state = replace(state, lineage=state.lineage + 1, base=None, ring=())
                 raise
+            return record.info
 
     def _restore_groups(self, record, regions: Sequence[str], verify: bool) -> CapsuleInfo:
         groups = list(regions) if isinstance(regions, (list, tuple)) else None
@@ -569,14 +533,16 @@ class Engine:
             raise InvalidCapsuleRequest(f"regions must be a list of groups among {list(GROUPS)}, got {shown(regions)}")
         if verify:
             raise InvalidCapsuleRequest("verify needs a full restore (regions=None)")
-        self.capsules.write_back(record, self.arena.buffer, groups)
-        self._position = record.info.position
-        self._lineage += 1
-        self.model.position.fill_(self._position)
-        self._log = BoundaryLog(record.log)
-        self._ring.clear()
-        self._ring.push(self.arena.buffer, self._position)
-        self._base = None
+        plan = self.capsules.plan_restore(record, groups=groups)
+        lineage = self._state.lineage + 1
+        try:
+            plan.copy(self.arena.buffer)
+            self.model.position.fill_(plan.position)
+            self._state = Boundary(position=plan.position, lineage=lineage, log=plan.log,
+                                   ring=self._slots.saved((), self.arena.buffer, plan.position))
+        except BaseException:
+            self._state = replace(self._state, lineage=lineage, base=None, ring=())
+            raise
         return record.info
 
     def rollback(self, steps: int = 1, to_position: int | None = None) -> int:
@@ -593,91 +559,85 @@ class Engine:
             if not is_int(steps) or steps < 0:
                 raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {steps!r}")
             steps = int(steps)
-            kept = len(self._ring.entries) - 1
+            state = self._state
+            kept = max(0, len(state.ring) - 1)
             if steps > kept:
                 raise InvalidCapsuleRequest(f"cannot roll back {steps} boundaries: {kept} are kept "
-                                      f"(rollback_depth={self._ring.depth})")
+                                            f"(rollback_depth={self._slots.depth})")
             if steps:
-                self._go_back(steps)
-                self._lineage += 1
-            return self._position
+                with self._whole_or_none():
+                    self._state = self._went_back(state, len(state.ring) - 1 - steps, state.lineage + 1)
+            return self._state.position
 
-    def _go_back(self, steps: int) -> None:
-        entry = self._ring.back(steps)
-        self.arena.buffer[:entry.fixed.numel()].copy_(entry.fixed, non_blocking=True)
-        self._position = entry.position
-        self._log.truncate(entry.position)
-        if self._base is not None:
-            self._base = (self._base[0], min(self._base[1], entry.position))
+    def _went_back(self, state: Boundary, index: int, lineage: int) -> Boundary:
+        """Load ring entry ``index`` into the arena; the state that is then."""
+        kept = state.ring[index]
+        self._slots.load(kept, self.arena.buffer)
+        base = None if state.base is None else (state.base[0], min(state.base[1], kept.position))
+        return replace(state, position=kept.position, lineage=lineage, log=truncated(state.log, kept.position),
+                       ring=state.ring[:index + 1], base=base, origin="")
 
     def _rollback_to(self, target: int) -> int:
-        if not is_int(target) or not 0 <= target <= self._position:
-            raise InvalidCapsuleRequest(f"to_position must be an int in [0, {self._position}], got {target!r}")
+        state = self._state
+        if not is_int(target) or not 0 <= target <= state.position:
+            raise InvalidCapsuleRequest(f"to_position must be an int in [0, {state.position}], got {target!r}")
         target = int(target)
-        logged = BoundaryLog(self._log.snapshot())
         tokens = self.model.tokens[:target].tolist()
         seeds = self.model.seeds[:target].tolist()
         observations = None if self.model.observations is None else self.model.observations[:target].clone()
         # What the replay may change, kept so that a failed one changes nothing: the fixed
         # block, and (taken below, once the start is known) the rows it rewrites.
-        before = (self.arena.buffer[:self.arena.fixed_bytes].clone(), self._position, self._base)
-        back = self._ring.newest_at_or_before(target)
-        origin = None if back is not None else self._passed_capsule(target)
-        self._rollback_origin = ""
+        fixed = self.arena.buffer[:self.arena.fixed_bytes].clone()
+        index = next((i for i in range(len(state.ring) - 1, -1, -1) if state.ring[i].position <= target), None)
+        origin = None if index is not None else self._passed_capsule(state, target)
+        plan = None
         if origin is not None:
             # Older than the ring, but the run passed this capsule's boundary on the way: a nearer
-            # start than the empty state. Its rows are the live ones, so only its fixed block is copied.
-            # A disk capsule that can no longer be read is only a lost shortcut: write_back fails
-            # before it touches the arena, and the replay starts from the empty state instead.
+            # start than the empty state. Its rows are the live ones, so only its fixed block is
+            # copied. A disk capsule that can no longer be read is only a lost shortcut: the
+            # replay starts from the empty state instead.
             try:
-                fixed, owner = self.capsules.write_back(origin, self.arena.buffer, keep_rows=origin.info.position)
+                plan = self.capsules.plan_restore(origin, keep_rows=origin.info.position)
             except CapsuleError as exc:
                 log.warning("rollback: capsule %s unreadable (%s); replaying from the empty state",
                             origin.info.id, exc)
-                origin = None
-        if back is not None:
-            self._go_back(back)
-        elif origin is not None:
+        if index is not None:
+            start = self._went_back(state, index, state.lineage)
+        elif plan is not None:
+            plan.copy(self.arena.buffer)
             at = origin.info.position
-            self._position, self._log, self._base = at, BoundaryLog(origin.log), (origin, at)
-            self._ring.clear()
-            self._ring.borrow(fixed, at, owner)
-            self._rollback_origin = origin.info.id
+            start = replace(state, position=at, log=origin.log, base=(origin, at), origin=origin.info.id,
+                            ring=self._slots.saved((), self.arena.buffer, at))
         else:  # older than the ring: start from the empty state; the history rows stay
             self.arena.buffer[:self.arena.fixed_bytes].zero_()
-            self._position = 0
-            self._log = BoundaryLog()
-            self._ring.clear()
-            self._ring.push(self.arena.buffer, 0)
-            self._base = None if self._base is None else (self._base[0], 0)
-        start = self._position
-        rows = [(view, view[start:target].clone()) for r, view in self.arena.live_views(self.max_seq_len)
+            start = replace(state, position=0, log=(), base=None if state.base is None else (state.base[0], 0),
+                            origin="", ring=self._slots.saved((), self.arena.buffer, 0))
+        rows = [(view, view[start.position:target].clone()) for r, view in self.arena.live_views(self.max_seq_len)
                 if r.per_token]
         try:
-            for kind, first, count in logged.between(start, target):
+            self._state = start
+            for kind, first, count in runs_between(state.log, start.position, target):
                 self._replay(kind, first, count, tokens, seeds, observations)
-            if self._position != target or self.model.tokens[:target].tolist() != tokens:
+            if self._state.position != target or self.model.tokens[:target].tolist() != tokens:
                 raise FlashRTError(f"replay to position {target} did not reproduce the logged run "
-                                   f"(it reached position {self._position})")
+                                   f"(it reached position {self._state.position})")
         except BaseException:
-            self.arena.buffer[:self.arena.fixed_bytes].copy_(before[0])
+            self.arena.buffer[:self.arena.fixed_bytes].copy_(fixed)
             for view, saved in rows:
-                view[start:target].copy_(saved)
-            self._position, self._base, self._log = before[1], before[2], logged
-            self._rollback_origin = ""
-            self._ring.clear()   # the steps back it held are gone; the state is the one before
-            self._ring.push(self.arena.buffer, self._position)
+                view[start.position:target].copy_(saved)
+            # The steps back the ring held may be overwritten: the state is the one before, alone.
+            self._state = replace(state, origin="", ring=self._slots.saved((), self.arena.buffer, state.position))
             raise
-        if target < before[1]:   # back to where it was: the state is the same one
-            self._lineage += 1
-        return self._position
+        if target < state.position:   # back to where it was: the same state, the same lineage
+            self._state = replace(self._state, lineage=state.lineage + 1)
+        return self._state.position
 
-    def _passed_capsule(self, target: int):
+    def _passed_capsule(self, state: Boundary, target: int):
         """The capsule the live state descends from, if it is still kept and the run went
         through its boundary at or before ``target`` (its rows are still all live)."""
-        if self._base is None:
+        if state.base is None:
             return None
-        record, rows = self._base
+        record, rows = state.base
         at = record.info.position
         if not 0 < at <= min(target, rows) or not self.capsules.keeps(record):
             return None
@@ -700,14 +660,18 @@ class Engine:
 
     # ---- checks --------------------------------------------------------------------------------
     def _check_room(self, n: int) -> None:
-        if self._position + n > self.max_seq_len:
+        if self._state.position + n > self.max_seq_len:
             raise InvalidArgument(
                 f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
-                f"(position is {self._position})")
+                f"(position is {self._state.position})")
 
 
 class _NotFinite(Exception):
     """A policy step gave NaN or infinity (never leaves the engine)."""
+
+
+class _VerifyFailed(Exception):
+    """A verified restore's live state does not match the capsule's digest (never leaves the engine)."""
 
 
 def _handed_out(t: torch.Tensor) -> torch.Tensor:

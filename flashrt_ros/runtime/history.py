@@ -1,118 +1,93 @@
-"""What rollback needs: a log of committed boundaries and a ring of fixed-size state.
+"""The engine's committed state as one immutable value, and the ring rollback steps back through.
 
-KV and the other per-token regions are append-only, so going back to an
-earlier boundary only needs the fixed-size regions (recurrent, conv, meta)
-as they were then, plus the position. The ring keeps those bytes for the
-last ``depth`` boundaries, one copy per boundary, never any KV.
+KV and the other per-token regions are append-only, so going back to an earlier boundary only
+needs the fixed-size regions (recurrent, conv, meta) as they were then, plus the position. The
+ring keeps those bytes for the last ``depth`` boundaries, one copy per boundary, never any KV.
 
-The log records how the state was built, as runs of (kind, start, count):
-"prefill" runs (one prefill call each), "decode" and "step" runs. Replaying
-a truncated log repeats the same calls, so the result is bit-identical to
-an engine that made exactly those calls.
+The log records how the state was built, as runs of (kind, start, count): "prefill" runs (one
+prefill call each), "decode" and "step" runs. Replaying a truncated log repeats the same calls,
+so the result is bit-identical to an engine that made exactly those calls.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 PREFILL, DECODE, STEP = "prefill", "decode", "step"
 
-
-class BoundaryLog:
-    def __init__(self, runs: tuple = ()) -> None:
-        self.runs: list[tuple[str, int, int]] = [tuple(r) for r in runs]
-
-    def append(self, kind: str, start: int, count: int) -> None:
-        last = self.runs[-1] if self.runs else None
-        if kind != PREFILL and last is not None and last[0] == kind and last[1] + last[2] == start:
-            self.runs[-1] = (kind, last[1], last[2] + count)
-        else:
-            self.runs.append((kind, start, count))
-
-    def truncate(self, position: int) -> None:
-        kept = []
-        for kind, start, count in self.runs:
-            if start >= position:
-                break
-            kept.append((kind, start, min(count, position - start)))
-        self.runs = kept
-
-    def between(self, begin: int, end: int) -> list[tuple[str, int, int]]:
-        """The runs, cut to positions [begin, end)."""
-        out = []
-        for kind, start, count in self.runs:
-            lo, hi = max(start, begin), min(start + count, end)
-            if lo < hi:
-                out.append((kind, lo, hi - lo))
-        return out
-
-    def snapshot(self) -> tuple:
-        return tuple(self.runs)
+Run = tuple[str, int, int]
 
 
-@dataclass(slots=True)
-class _Entry:
+def appended(log: tuple[Run, ...], kind: str, start: int, count: int) -> tuple[Run, ...]:
+    """``log`` with rows [start, start + count) of ``kind`` committed after it (decode and step
+    rows join the run before them; each prefill is a run of its own)."""
+    if log and kind != PREFILL and log[-1][0] == kind and log[-1][1] + log[-1][2] == start:
+        return log[:-1] + ((kind, log[-1][1], log[-1][2] + count),)
+    return log + ((kind, start, count),)
+
+
+def truncated(log: tuple[Run, ...], position: int) -> tuple[Run, ...]:
+    """The runs that built the first ``position`` rows."""
+    return tuple((kind, start, min(count, position - start)) for kind, start, count in log if start < position)
+
+
+def between(log: tuple[Run, ...], begin: int, end: int) -> list[Run]:
+    """The runs, cut to positions [begin, end)."""
+    out = []
+    for kind, start, count in log:
+        lo, hi = max(start, begin), min(start + count, end)
+        if lo < hi:
+            out.append((kind, lo, hi - lo))
+    return out
+
+
+class Kept(NamedTuple):
+    """A boundary the ring can go back to: its position and the slot holding its fixed bytes."""
+
     position: int
-    fixed: torch.Tensor                       # the fixed-size bytes at this boundary
-    slot: int = -1                            # ring slot holding them, or -1 when borrowed
-    owner: object = None                      # what the borrowed bytes belong to
+    slot: int
 
 
-class RollbackRing:
-    """The fixed-size state of the last ``depth + 1`` boundaries (the current one included).
-
-    Bytes are copied into ring slots at each boundary; a restored capsule's
-    bytes are borrowed instead (no copy on the restore path) and copied only
-    if that capsule's memory is about to be reused.
-    """
+class RingSlots:
+    """The memory of the rollback ring: ``depth + 2`` slots of the fixed-size state, one
+    allocation on the arena's device. A ring value (a tuple of ``Kept``, newest last) says which
+    slot holds which boundary; ``saved`` writes only a slot the ring it is given does not use,
+    so the state a failed call leaves in place keeps every boundary it names."""
 
     def __init__(self, depth: int, fixed_bytes: int, device: torch.device) -> None:
         self.depth = depth
-        self._slots = torch.empty(depth + 1, fixed_bytes, dtype=torch.uint8, device=device)
-        self._free = list(range(depth + 1))
-        self.entries: deque[_Entry] = deque()
+        self._slots = torch.empty(depth + 2, fixed_bytes, dtype=torch.uint8, device=device)
 
-    def push(self, buffer: torch.Tensor, position: int) -> None:
-        if len(self.entries) == self.depth + 1:
-            self._drop(self.entries.popleft())
-        slot = self._free.pop()
+    def saved(self, ring: tuple[Kept, ...], buffer: torch.Tensor, position: int) -> tuple[Kept, ...]:
+        """``ring`` with ``buffer``'s fixed bytes, the boundary at ``position``, as its newest
+        entry; the oldest go once more than ``depth + 1`` are kept."""
+        used = {kept.slot for kept in ring}
+        slot = next(i for i in range(self.depth + 2) if i not in used)
         view = self._slots[slot]
         view.copy_(buffer[:view.numel()], non_blocking=True)
-        self.entries.append(_Entry(position, view, slot))
+        return ring[len(ring) - self.depth:] + (Kept(position, slot),) if len(ring) > self.depth else \
+            ring + (Kept(position, slot),)
 
-    def borrow(self, fixed: torch.Tensor, position: int, owner: object) -> None:
-        """Make ``fixed`` (bytes of ``owner``, e.g. a capsule's chunk) the newest boundary."""
-        if len(self.entries) == self.depth + 1:
-            self._drop(self.entries.popleft())
-        self.entries.append(_Entry(position, fixed, -1, owner))
+    def load(self, kept: Kept, buffer: torch.Tensor) -> None:
+        """The fixed bytes of a kept boundary back into ``buffer``."""
+        view = self._slots[kept.slot]
+        buffer[:view.numel()].copy_(view, non_blocking=True)
 
-    def unborrow(self, owner: object) -> None:
-        """``owner`` is about to reuse its memory: copy what was borrowed from it into slots."""
-        for entry in self.entries:
-            if entry.slot < 0 and entry.owner is owner:
-                entry.slot = self._free.pop()
-                entry.fixed = self._slots[entry.slot].copy_(entry.fixed)
-                entry.owner = None
 
-    def clear(self) -> None:
-        self._free.extend(entry.slot for entry in self.entries if entry.slot >= 0)
-        self.entries.clear()
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """Everything the engine knows about its live state beside the arena's bytes, replaced by
+    one assignment at each committed boundary, restore, rollback or reset.
 
-    def back(self, steps: int) -> _Entry:
-        """Forget the newest ``steps`` boundaries and return the one that is now newest."""
-        for _ in range(steps):
-            self._drop(self.entries.pop())
-        return self.entries[-1]
+    ``lineage`` changes whenever the state is replaced rather than extended. ``base`` =
+    (capsule record, p): the live per-token rows [0:p] equal that capsule's. ``origin``: the
+    capsule the last ``rollback(to_position)`` replayed from ("" otherwise)."""
 
-    def newest_at_or_before(self, position: int) -> int | None:
-        """How many boundaries to go back to reach the newest one at or before ``position``."""
-        for back, entry in enumerate(reversed(self.entries)):
-            if entry.position <= position:
-                return back
-        return None
-
-    def _drop(self, entry: _Entry) -> None:
-        if entry.slot >= 0:
-            self._free.append(entry.slot)
+    position: int = 0
+    lineage: int = 0
+    log: tuple[Run, ...] = ()
+    ring: tuple[Kept, ...] = ()
+    base: tuple[Any, int] | None = None
+    origin: str = ""
