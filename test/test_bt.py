@@ -160,14 +160,14 @@ def test_absent_server_fails_with_no_server(live):
 
 def test_a_snapshot_halted_mid_call_runs_anew_and_its_orphan_is_dropped(live):
     """A halted branch that runs again wants the state of then: a new request_id, and the
-    capsule the halted call made (answered, unseen) is dropped when its answer arrives."""
+    capsule the halted call made (answered, unseen) is dropped when its lease ends."""
     from flashrt_ros.bt.behaviours import Snapshot
 
     from ros_harness import wait_future
 
     _, result = live.generate(prompt="context", max_new_tokens=2)
     assert wait_future(result).result.success
-    behaviour = Snapshot("snap", live.client, "snap_capsule")
+    behaviour = Snapshot("snap", live.client, "snap_capsule", lease_s=0.5)
     tree = py_trees.trees.BehaviourTree(behaviour)
     tree.setup(timeout=10)
     tree.tick()
@@ -177,6 +177,7 @@ def test_a_snapshot_halted_mid_call_runs_anew_and_its_orphan_is_dropped(live):
     assert first_id and behaviour.request_id == ""
     _, result = live.generate(max_new_tokens=3)     # the state moves on before the branch runs again
     assert wait_future(result).result.success
+    behaviour.lease_s = 0.0                         # the run that is kept asks for no lease
     assert _tick_until_done(behaviour) == Status.SUCCESS
     deadline = time.monotonic() + 5
     while len(live.node.engine.capsules.list()) > 1 and time.monotonic() < deadline:
@@ -188,14 +189,14 @@ def test_a_snapshot_halted_mid_call_runs_anew_and_its_orphan_is_dropped(live):
 
 def test_a_snapshot_that_timed_out_then_was_halted_leaves_no_orphan_capsule(live):
     """The timed-out try keeps its request_id for a retry; a halt then means no retry will
-    ever claim the capsule the node makes for it, so the behaviour drops it."""
+    ever claim the capsule the node makes for it, so its lease ends it."""
     from flashrt_ros.bt.behaviours import Snapshot
 
     from ros_harness import wait_future
 
     _, result = live.generate(prompt="context", max_new_tokens=2)
     assert wait_future(result).result.success
-    behaviour = Snapshot("snap", live.client, "snap_capsule", pin=True, timeout_s=0.2)
+    behaviour = Snapshot("snap", live.client, "snap_capsule", pin=True, timeout_s=0.2, lease_s=0.5)
     tree = py_trees.trees.BehaviourTree(behaviour)
     tree.setup(timeout=10)
     with live.node.engine.lock:                     # the node is busy past the timeout
@@ -212,7 +213,7 @@ def test_a_snapshot_that_timed_out_then_was_halted_leaves_no_orphan_capsule(live
 
 @pytest.mark.parametrize("make", ["snapshot", "fork"])
 def test_a_timed_out_call_whose_tree_ends_leaves_no_capsule_once_the_tree_shuts_down(live, make):
-    """No halt comes when a tree just ends: its shutdown() drops what late answers made."""
+    """No halt comes when a tree just ends: what late answers made ends with its lease."""
     from flashrt_ros.bt.behaviours import Fork, Snapshot
     from flashrt_ros.bt.examples import run_tree
 
@@ -220,8 +221,8 @@ def test_a_timed_out_call_whose_tree_ends_leaves_no_capsule_once_the_tree_shuts_
 
     _, result = live.generate(prompt="context", max_new_tokens=2)
     assert wait_future(result).result.success
-    behaviour = (Snapshot("snap", live.client, "made", pin=True, timeout_s=0.2) if make == "snapshot"
-                 else Fork("fork", live.client, "made", timeout_s=0.2))
+    behaviour = (Snapshot("snap", live.client, "made", pin=True, timeout_s=0.2, lease_s=0.5) if make == "snapshot"
+                 else Fork("fork", live.client, "made", timeout_s=0.2, lease_s=0.5))
     with live.node.engine.lock:                     # the node is busy past the timeout
         assert run_tree(behaviour, period_s=0.01, timeout_s=10) == Status.FAILURE
     deadline = time.monotonic() + 10

@@ -269,7 +269,7 @@ def test_a_reused_request_id_with_megabyte_fields_gets_a_short_refusal():
     """The fields of a retry are not checked yet when its request_id is looked up: the refusal
     must not echo them whole into the answer, the event and the log."""
     from flashrt_ros.errors import InvalidArgument
-    from flashrt_ros.snapshot_requests import SnapshotRequests
+    from flashrt_ros.serving.requests import SnapshotRequests
 
     requests = SnapshotRequests()
     requests.remember("r1", ("a", "", False), "0123456789abcdef")

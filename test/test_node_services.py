@@ -244,7 +244,8 @@ def test_generate_streams_feedback_reports_ttft_and_matches_the_engine(live):
 
 
 def test_a_sampled_goal_draws_what_the_engine_draws_and_its_journal_replays(live):
-    from flashrt_ros.replay.journal import Journal, replay
+    from flashrt_ros.replay.journal import replay
+    from flashrt_ros.serving.journal import Journal
     from flashrt_ros.runtime import Engine, ModelConfig
 
     h = live
@@ -552,7 +553,7 @@ def test_a_status_the_engine_cannot_give_is_counted_and_the_node_serves_on(live)
 
     engine.state_digest = faulty
     try:
-        h.node._version += 1   # a new state: the status must hash it
+        h.node.session._version += 1   # a new state: the status must hash it
         h.node._dirty.set()
         deadline = time.monotonic() + 10
         while h.node._counters["status_failures"] == 0 and time.monotonic() < deadline:

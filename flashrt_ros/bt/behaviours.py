@@ -10,9 +10,11 @@ timeout or a halt belongs to an abandoned attempt and is ignored.
 Snapshot sends a ``request_id``. It is kept when the attempt times out, so the
 retry asks for the same snapshot and the node answers with the same capsule;
 it is cleared once an answer has been read, and when the behaviour is halted:
-a halted branch that runs again later wants the state of then, not the
-capsule of its abandoned tries (those that timed out before the halt too),
-which are dropped when their answers come in.
+a halted branch that runs again later wants the state of then. Snapshot and
+Fork ask for a lease (``lease_s``): the node drops the capsule once that long
+has passed since it was made or last used, so what an abandoned attempt made
+goes by itself, and no behaviour keeps a list of others' leftovers. A capsule
+meant to outlive its lease takes ``lease_s=0``.
 Restore and Drop are idempotent by nature; Fork and Rollback(steps) are not
 (a halt after the node applied them and a retry apply them twice): retry
 those only from a state you restore first.
@@ -220,87 +222,42 @@ class _ServiceCall(_Call):
         """Any answer, success or not, ends the attempt."""
 
 
-class _MakesCapsules(_ServiceCall):
-    """A call whose answer is a new capsule: one made for an attempt nobody will claim any
-    more is dropped on the node, not left there (pinned, it would never be evicted)."""
-
-    def __init__(self, name: str, node: Any, **kwargs: Any) -> None:
-        super().__init__(name, node, **kwargs)
-        self._drop = node.create_client(DropSrv, f"{self.server}/drop_capsule")
-
-    def _drop_orphan(self, capsule_id: str) -> None:
-        self.logger.debug(f"{self.name}: dropping capsule {capsule_id}, made for an abandoned attempt")
-        self._drop.call_async(DropSrv.Request(capsule_id=capsule_id))
-
-    @staticmethod
-    def _made(future) -> str:
-        response = None if future.cancelled() or future.exception() is not None else future.result()
-        return response.capsule_id if response is not None and response.success else ""
+LEASE_S = 600.0   # what Snapshot and Fork ask for unless told otherwise: ten minutes after the last use
 
 
-class Snapshot(_MakesCapsules):
+class Snapshot(_ServiceCall):
     """Snapshot the live state; the capsule id goes to ``capsule_key`` (its position to ``position_key``).
 
     An attempt that timed out keeps its ``request_id``, so that the next run asks for the
-    same capsule; a halt, or the tree's ``shutdown()``, gives that up and drops what the
-    abandoned attempts made."""
+    same capsule; a halt gives that up (the node drops what the abandoned attempt made when
+    its lease ends)."""
 
     srv_type, service = SnapshotSrv, "snapshot"
 
     def __init__(self, name: str, node: Any, capsule_key: str, capsule_name: str = "", tier: str = "",
-                 pin: bool = False, position_key: str | None = None, **kwargs: Any) -> None:
+                 pin: bool = False, position_key: str | None = None, lease_s: float = LEASE_S,
+                 **kwargs: Any) -> None:
         super().__init__(name, node, **kwargs)
         self.capsule_key, self.capsule_name, self.tier, self.pin = capsule_key, capsule_name, tier, pin
-        self.position_key = position_key
+        self.position_key, self.lease_s = position_key, float(lease_s)
         self._key(capsule_key, Access.WRITE)
         if position_key:
             self._key(position_key, Access.WRITE)
         self.request_id = ""
-        self._halted: set = set()   # futures abandoned by a halt: their capsules are orphans
-        self._unclaimed: set = set()   # capsules late answers made for request_id: a retry claims them
-        self._orphans = threading.Lock()   # halts (tree thread) against late answers (executor thread)
 
     def request(self) -> Any:
         if not self.request_id:
             self.request_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         return self.srv_type.Request(name=self.capsule_name, tier=self.tier, pin=self.pin,
-                                     request_id=self.request_id)
+                                     request_id=self.request_id, lease_s=self.lease_s)
 
     def answered(self, response: Any) -> None:
-        with self._orphans:
-            self.request_id = ""
-            self._unclaimed.clear()   # the answer names that capsule: the retry got it
+        self.request_id = ""
 
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID:
-            self._give_up()
-        super().terminate(new_status)
-
-    def shutdown(self) -> None:
-        """The tree is done: no retry will claim what timed-out attempts made."""
-        self._give_up()
-        self._abandon()
-
-    def _give_up(self) -> None:
-        with self._orphans:
             self.request_id = ""
-            if self._future is not None:
-                self._halted.add(self._future)
-            # Tries that timed out earlier were kept for a retry that will now never come.
-            self._halted.update(self._abandoned)
-            orphans, self._unclaimed = self._unclaimed, set()
-        for capsule_id in orphans:
-            self._drop_orphan(capsule_id)
-
-    def _late(self, future) -> None:
-        made = self._made(future)
-        with self._orphans:
-            halted = future in self._halted
-            self._halted.discard(future)
-            if not halted and made:   # a timed-out try: the retry asks for this capsule by request_id
-                self._unclaimed.add(made)
-        if halted and made:
-            self._drop_orphan(made)
+        super().terminate(new_status)
 
     def on_success(self, response: Any) -> None:
         self.bb.set(self.capsule_key, response.capsule_id)
@@ -322,33 +279,26 @@ class Restore(_ServiceCall):
         return self.srv_type.Request(capsule_id=self._read(self.capsule_key, str), verify=self.verify)
 
 
-class Fork(_MakesCapsules):
+class Fork(_ServiceCall):
     """Fork ``source_key``'s capsule (or the live state when None) into ``capsule_key``.
 
-    A fork that answers after its attempt was abandoned (a timeout, a halt, the tree's
-    ``shutdown()``) is dropped: a run again makes a new one."""
+    A fork that answers after its attempt was abandoned (a timeout, a halt) is left to its
+    lease: a run again makes a new one."""
 
     srv_type, service = ForkSrv, "fork"
 
     def __init__(self, name: str, node: Any, capsule_key: str, source_key: str | None = None,
-                 capsule_name: str = "", **kwargs: Any) -> None:
+                 capsule_name: str = "", lease_s: float = LEASE_S, **kwargs: Any) -> None:
         super().__init__(name, node, **kwargs)
         self.capsule_key, self.source_key, self.capsule_name = capsule_key, source_key, capsule_name
+        self.lease_s = float(lease_s)
         self._key(capsule_key, Access.WRITE)
         if source_key:
             self._key(source_key, Access.READ)
 
     def request(self) -> Any:
         source = self._read(self.source_key, str) if self.source_key else ""
-        return self.srv_type.Request(source_id=source, name=self.capsule_name)
-
-    def shutdown(self) -> None:
-        self._abandon()
-
-    def _late(self, future) -> None:
-        made = self._made(future)
-        if made:
-            self._drop_orphan(made)
+        return self.srv_type.Request(source_id=source, name=self.capsule_name, lease_s=self.lease_s)
 
     def on_success(self, response: Any) -> None:
         self.bb.set(self.capsule_key, response.capsule_id)

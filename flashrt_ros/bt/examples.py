@@ -119,7 +119,7 @@ def run_tree(root: py_trees.behaviour.Behaviour, period_s: float = 0.01, timeout
         root.stop(Status.INVALID)
         return Status.INVALID
     finally:
-        if shutdown:   # capsules made for attempts that timed out, and never claimed, are dropped
+        if shutdown:   # every behaviour hears the tree is done (py_trees' shutdown)
             tree.shutdown()
 
 

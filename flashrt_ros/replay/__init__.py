@@ -3,6 +3,7 @@
 ``journal``: the entries and their replay on an engine; ``bag``: MCAP bags of
 them (rosbags); ``cli``: the ``flashrt-replay`` command.
 """
-from .journal import Entry, Journal, ReplayMismatch, ReplayReport, replay
+from ..serving.journal import Entry, Journal
+from .journal import ReplayMismatch, ReplayReport, replay
 
 __all__ = ["Entry", "Journal", "ReplayMismatch", "ReplayReport", "replay"]

@@ -20,7 +20,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_typestore
 
 from ..errors import InvalidArgument
-from .journal import KINDS, Entry, Journal
+from ..serving.journal import KINDS, Entry, Journal
 
 SESSION_TOPIC = "/flashrt/journal/session"
 ENTRY_TOPIC = "/flashrt/journal"

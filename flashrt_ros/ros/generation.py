@@ -1,10 +1,10 @@
-"""One generate goal: prompt in, greedy tokens out, one committed boundary per token.
+"""One generate goal: prompt in, tokens out, one committed boundary per token.
 
-The engine lock is taken per token, so a service call that arrives mid-way
-waits for at most the step in progress. Cancel and deactivate are checked
-after every token, i.e. at committed boundaries. A Restore or Rollback that
-lands between two tokens replaces the state the goal was extending: the goal
-stops there (PREEMPTED), reporting the tokens it made before.
+The session commits the prompt, then one token per step, each under the engine lock, so a
+service call that arrives mid-way waits for at most the step in progress. Cancel and
+deactivate are checked after every token, i.e. at committed boundaries. A Restore or Rollback
+that lands between two tokens replaces the state the goal was extending: the session's
+tokens stop there (PREEMPTED), and the goal reports the tokens it made before.
 """
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import time
 from typing import Any
 
 from ..action import Generate
-from ..errors import InvalidArgument, NotActive, Preempted
-from ..replay import journal as J
+from ..errors import InvalidArgument, NotActive
 from ..runtime import inputs
+from ..serving import Session
 
 
-def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> None:
+def run_generation(node: Any, session: Session, goal_handle: Any, result: Any) -> None:
     """Fill ``result`` (and stream feedback); raise a FlashRTError to refuse or stop."""
+    engine = session.engine
     goal = goal_handle.request
     ids = _prompt_ids(node.tokenizer, goal)
     n = goal.max_new_tokens
@@ -39,29 +40,22 @@ def run_generation(node: Any, engine: Any, goal_handle: Any, result: Any) -> Non
         # or the node deactivated, meanwhile; neither may find the prompt committed.
         if not node.serving:
             raise NotActive("node left the active state before the prompt was committed")
-        if ids and not goal_handle.is_cancel_requested:   # a cancel ends the goal at the loop's first check
-            engine.prefill(ids)
-            node.note_state_change(engine, J.PREFILL, {"token_ids": list(ids), "prompt": goal.prompt}, {})
-        lineage = engine.lineage
+        if goal_handle.is_cancel_requested:   # the goal ends at the loop's first check
+            ids, n = [], 0
+        stream = session.generate(ids, n, temperature=temperature, seed=seed, prompt=goal.prompt)
     tokens: list[int] = []
     first = None
     feedback = Generate.Feedback()
     try:
-        for _ in range(n):
+        while True:
             if goal_handle.is_cancel_requested:
                 result.message = f"canceled after {len(tokens)} tokens"
                 break
             if not node.serving:
                 raise NotActive(f"node left the active state after {len(tokens)} tokens")
-            with engine.lock:
-                if engine.lineage != lineage:
-                    raise Preempted(f"a restore or rollback replaced the state after {len(tokens)} tokens; "
-                                    f"the goal stopped there (its tokens are no longer in the live state)")
-                sampling = {"temperature": temperature} if temperature > 0 else {}
-                if seed is not None and not tokens:
-                    sampling["seed"] = seed
-                token = engine.generate(1, **sampling)[0]
-                node.note_state_change(engine, J.DECODE, sampling, {"token": token})
+            token = next(stream, None)
+            if token is None:
+                break
             if first is None:
                 first = time.perf_counter()
             tokens.append(token)

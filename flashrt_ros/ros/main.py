@@ -5,10 +5,10 @@ import os
 import sys
 
 import rclpy
-from rclpy._rclpy_pybind11 import RCLError
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 
 from .node import FlashRTNode
+from .rclpy_compat import RCLError
 from .spinning import spin_until_shutdown
 
 

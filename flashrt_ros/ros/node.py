@@ -1,10 +1,8 @@
-"""The flashrt lifecycle node: a thin adapter from ROS 2 to the engine.
+"""The flashrt lifecycle node: a thin adapter from ROS 2 to the session layer.
 
-Every decision about state stays in the engine. The node turns requests into
-engine calls, exceptions into error codes, and results into responses,
-events and telemetry. Each operation runs while holding the engine lock, so
-the journal (when one is attached) lists operations in the order they were
-committed, even when many clients call at once.
+Every decision about state stays in the engine, and request ids, leases and the journal in
+the session (``flashrt_ros.serving``). The node turns messages into session calls, exceptions
+into error codes, and results into responses, events and telemetry.
 
 Callback groups: the generate action has its own, policy topics a mutually
 exclusive one (observations apply in arrival order), timers another. The six
@@ -18,14 +16,13 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-from rclpy._rclpy_pybind11 import RCLError
 
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped
@@ -36,32 +33,34 @@ from ..action import Generate
 from ..capsule import CapsuleInfo, signing
 from ..errors import Busy, ErrorCode, InvalidArgument, NotActive, shown
 from ..msg import CapsuleEvent, RuntimeStatus
-from ..replay import journal as J
 from ..replay.bag import BagWriter
 from ..replay.session import session_of
 from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
-from ..snapshot_requests import SnapshotRequests
+from ..serving import Journal, Session
+from ..serving import journal as J
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
 from .convert import info_msg, outcome
 from .generation import run_generation
 from .observation import build_observation, stamp_gap
+from .rclpy_compat import answer_invalid_transitions
 from .services import CapsuleServices
 from .telemetry import Latencies, diagnostics_msg, status_msg
 
 _STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
 _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-_DIRTY_POLL_S = 0.05     # "on change" status goes out within this
-_JOURNAL_TEXT = 1024     # longest string a capsule request puts in the journal (valid ones are shorter)
+_DIRTY_POLL_S = 0.05     # "on change" status goes out within this; leases end within it too
 
 
-def _capped(request: dict) -> dict:
-    """A capsule request as journaled: a string past any valid length (a name is at most 128,
-    a request_id 256 characters) is cut, so a megabyte field cannot bloat the bag. Cut, it is
-    just as invalid: replay reproduces the same refusal."""
-    return {k: v[:_JOURNAL_TEXT] if isinstance(v, str) and len(v) > _JOURNAL_TEXT else v
-            for k, v in request.items()}
+class _LeaseEnded(NamedTuple):
+    """The answer fields an event of a lease's end carries (no request was made)."""
+
+    position: int
+    message: str
+    success: bool = True
+    error_code: int = 0
+    latency_ms: float = 0.0
 
 
 class FlashRTNode(LifecycleNode):
@@ -70,13 +69,12 @@ class FlashRTNode(LifecycleNode):
 
     def __init__(self, node_name: str = "flashrt", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
-        self._answer_invalid_transitions()
+        answer_invalid_transitions(self)
         self._status_timer = None
-        self.engine: Engine | None = None
+        self.session: Session | None = None
         self.add_on_set_parameters_callback(self._on_set_parameters)
         params.declare_all(self)
         self.tokenizer = None
-        self.journal: J.Journal | None = None
         self._bag: BagWriter | None = None
         self._configures = 0
         self._label = "unconfigured"
@@ -84,17 +82,14 @@ class FlashRTNode(LifecycleNode):
         self._joint_names: list[str] = []
         self._max_pose_age = float(self.get_parameter("policy.max_pose_age").value)
         self._generation = threading.Lock()
-        self._requests = SnapshotRequests()
         self._latest_pose: PoseStamped | None = None
         self._latencies = Latencies()
         self._counters = {"requests": 0, "failed_requests": 0, "policy_steps": 0, "rejected_observations": 0,
                           "status_failures": 0}
-        self._version = 0              # bumped by every state change; the status digest is cached per version
-        self._digest = (-1, "")
         self._dirty = threading.Event()
 
         self._action_group = ReentrantCallbackGroup()
-        policy = MutuallyExclusiveCallbackGroup()
+        self._policy_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
         self._capsule_services = CapsuleServices(self, (
             (Snapshot, "snapshot", self._snapshot), (Restore, "restore", self._restore), (Fork, "fork", self._fork),
@@ -103,37 +98,30 @@ class FlashRTNode(LifecycleNode):
         self._generate_server = ActionServer(
             self, Generate, "~/generate", self._execute_generate, goal_callback=lambda _: GoalResponse.ACCEPT,
             cancel_callback=lambda _: CancelResponse.ACCEPT, callback_group=self._action_group)
-        self.create_subscription(JointState, "~/joint_states", self._on_joint_state, 10, callback_group=policy)
-        self.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, 10, callback_group=policy)
-        self._action_pub = self.create_publisher(JointTrajectoryPoint, "~/action", 10)
+        self._policy_io: list = []   # made by configure, destroyed by cleanup (see _open_policy_io)
+        self._action_pub = None
         self._events = self.create_publisher(CapsuleEvent, "~/events", _EVENTS_QOS)
         self._status_pub = self.create_publisher(RuntimeStatus, "~/status", _STATUS_QOS)
         self._diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self.create_timer(_DIRTY_POLL_S, self._publish_if_dirty, callback_group=self._timer_group)
+        self.create_timer(_DIRTY_POLL_S, self._poll, callback_group=self._timer_group)
         self._restart_status_timer(self.get_parameter("status_rate").value)
         self._dirty.set()
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def _answer_invalid_transitions(self) -> None:
-        """rclpy's change_state raises on a transition the current state does not have (a
-        second configure, say, from a lifecycle manager that retries): the exception left the
-        callback, stopped the executor, and the node exited without an answer. It is answered
-        success=false instead; the state machine has not moved."""
-        service = getattr(self, "_service_change_state", None)
-        if service is None:
-            return
-        change = service.callback
+    @property
+    def engine(self) -> Engine | None:
+        session = self.session
+        return session.engine if session is not None else None
 
-        def answered(request: Any, response: Any) -> Any:
-            try:
-                return change(request, response)
-            except RCLError as exc:
-                self.get_logger().warning(f"change_state refused: transition {request.transition.id} "
-                                          f"{request.transition.label!r}: {str(exc).splitlines()[0][:200]}")
-                response.success = False
-                return response
+    @property
+    def journal(self) -> Journal | None:
+        session = self.session
+        return session.journal if session is not None else None
 
-        service.callback = answered
+    @journal.setter
+    def journal(self, journal: Journal | None) -> None:
+        if self.session is not None:
+            self.session.journal = journal
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._configures += 1
@@ -143,12 +131,13 @@ class FlashRTNode(LifecycleNode):
             self.get_logger().error(f"configure refused: {reason}")
             return TransitionCallbackReturn.FAILURE
         try:
-            self.engine, self.tokenizer = self._build(vals)
+            engine, self.tokenizer = self._build(vals)
         except Exception as exc:  # any failure to load is a failed transition, never a dead node
             self.get_logger().error(f"configure failed: {outcome(exc)[1]}")
             return TransitionCallbackReturn.FAILURE
+        self.session = Session(engine)
         self._joint_names = list(vals["policy.joint_names"])
-        self.engine.capsules.subscribe(self._on_store_event)
+        engine.capsules.subscribe(self._on_store_event)
         if vals["journal_path"]:
             try:
                 self._start_journal(vals)
@@ -156,6 +145,7 @@ class FlashRTNode(LifecycleNode):
                 self.get_logger().error(f"configure failed: journal_path: {outcome(exc)[1]}")
                 self._free()
                 return TransitionCallbackReturn.FAILURE
+        self._open_policy_io()
         e = self.engine
         self.get_logger().info(
             f"configured: {'embedded default' if not vals['model_path'] else vals['model_path']} on {e.device} "
@@ -185,6 +175,23 @@ class FlashRTNode(LifecycleNode):
         self._free()
         return self._moved("unconfigured")
 
+    def _open_policy_io(self) -> None:
+        """The policy's topics, with an engine to step (lifecycle_py: made in configure)."""
+        self._policy_io = [
+            self.create_subscription(JointState, "~/joint_states", self._on_joint_state, 10,
+                                     callback_group=self._policy_group),
+            self.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, 10, callback_group=self._policy_group)]
+        self._action_pub = self.create_publisher(JointTrajectoryPoint, "~/action", 10)
+
+    def _close_policy_io(self) -> None:
+        """Destroyed in cleanup and shutdown, as lifecycle_py destroys what configure made."""
+        publisher, self._action_pub = self._action_pub, None
+        entities, self._policy_io = self._policy_io, []
+        for subscription in entities:
+            self.destroy_subscription(subscription)
+        if publisher is not None:
+            self.destroy_publisher(publisher)
+
     def _moved(self, label: str) -> TransitionCallbackReturn:
         self._label = label
         self._dirty.set()
@@ -195,8 +202,7 @@ class FlashRTNode(LifecycleNode):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgument(f"device={device!r} but CUDA is not available (torch {torch.__version__})")
         opts = dict(device=device, dtype=getattr(torch, vals["dtype"]), max_seq_len=vals["max_seq_len"],
-                    cuda_graphs=vals["cuda_graphs"], prefill_blocked=vals["prefill_blocked"],
-                    decode_native=vals["decode_native"],
+                    cuda_graphs=vals["cuda_graphs"], cpu_kernels=vals["cpu_kernels"],
                     capsule_dir=vals["capsule_dir"] or None,
                     capsule_key=signing.load_key(vals["capsule_key_file"]) if vals["capsule_key_file"] else None,
                     budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
@@ -214,14 +220,17 @@ class FlashRTNode(LifecycleNode):
         # The node name too: two nodes of one process may share journal_path and start in the same second.
         path = folder / (f"session-{time.strftime('%Y%m%d-%H%M%S')}-{self.get_name()}-{os.getpid()}"
                          f"-{self._configures}")
-        journal = J.Journal(session=session_of(self.engine, vals["model_path"], vals["seed"]))
+        journal = Journal(session=session_of(self.engine, vals["model_path"], vals["seed"]))
         self._bag = BagWriter(path, journal.session)
         journal.listeners.append(self._bag)
-        self.journal = journal
+        self.session.journal = journal
         self.get_logger().info(f"journal: recording into {path}")
 
     def _free(self) -> None:
-        bag, self._bag, self.journal = self._bag, None, None
+        self._close_policy_io()
+        bag, self._bag = self._bag, None
+        if self.session is not None:
+            self.session.journal = None
         self._latest_pose = None   # a pose from before cleanup must not build the next engine's first observation
         if bag is not None:
             try:
@@ -231,9 +240,8 @@ class FlashRTNode(LifecycleNode):
         engine = self.engine
         if engine is None:
             return
-        with engine.lock:  # in-flight operations finish first
-            self.engine = None
-            self._requests.clear()  # request ids name capsules of this engine only
+        with engine.lock:  # in-flight operations finish first; request ids and leases go with the session
+            self.session = None
         engine.close()
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -246,11 +254,9 @@ class FlashRTNode(LifecycleNode):
             result.successful, result.reason = False, "default_tier=disk needs a capsule_dir (set at configure)"
         if result.successful:
             for p in changed:
-                engine = self.engine
-                if p.name == "spill" and engine is not None:
-                    with engine.lock:   # journaled in order: it decides later refusals and evictions
-                        engine.capsules.spill = bool(p.value)
-                        self._record(J.SPILL, {"spill": bool(p.value)}, engine, None, {})
+                session = self.session
+                if p.name == "spill" and session is not None:
+                    session.set_spill(bool(p.value))
                 elif p.name == "policy.max_pose_age":
                     self._max_pose_age = float(p.value)
                 elif p.name == "status_rate" and hasattr(self, "_timer_group"):  # not while declaring
@@ -265,33 +271,23 @@ class FlashRTNode(LifecycleNode):
             self._status_timer = self.create_timer(1.0 / rate, self._publish_status, callback_group=self._timer_group)
 
     # ---- services ----------------------------------------------------------------------------------
-    def _serve(self, kind: str, response: Any, call: Callable[[Engine], tuple[CapsuleInfo | None, dict]],
-               journal: dict | None = None) -> Any:
-        """Run ``call`` under the engine lock and fill the common response fields.
+    def _serve(self, kind: str, response: Any,
+               call: Callable[[Session], tuple[CapsuleInfo | None, str, int | None]]) -> Any:
+        """Run ``call`` on the session and fill the common response fields.
 
-        ``call`` returns the capsule involved and the journal outcome fields. No
-        exception leaves this method: each becomes success=false with its code.
+        ``call`` returns the capsule involved, a message ("" for "ok") and the position to
+        answer (None: the state's). No exception leaves this method: each becomes
+        success=false with its code.
         """
         self._counters["requests"] += 1
-        if journal is not None:
-            journal = _capped(journal)
-        engine = self.engine
-        info, code, message = None, int(ErrorCode.OK), "ok"
+        session = self.session
+        info, code, message, position = None, int(ErrorCode.OK), "ok", None
         start = time.perf_counter()
         try:
-            if not self._active or engine is None:
+            if not self._active or session is None:
                 raise NotActive(f"node is {self._label}, not active: activate it to serve {kind}")
-            with engine.lock:
-                try:
-                    info, extra = call(engine)
-                except Exception as exc:
-                    if journal is not None and self.journal is not None:
-                        self._record(kind, journal, engine, exc)
-                    raise
-                if journal is not None and self.journal is not None and not extra.get("repeat"):
-                    self._record(kind, journal, engine, None, extra)
-                response.position = extra.get("position", engine.position)
-            message = extra.get("message", "ok")
+            info, message, position = call(session)
+            message = message or "ok"
         except Exception as exc:
             code, message = outcome(exc)
             self._counters["failed_requests"] += 1
@@ -299,119 +295,77 @@ class FlashRTNode(LifecycleNode):
                 self.get_logger().error(f"{kind} failed: {message}\n{traceback.format_exc()}")
             else:
                 self.get_logger().info(f"{kind} refused ({ErrorCode(code).name}): {message}")
-            if engine is not None:
-                response.position = engine.position
+        if session is not None:
+            response.position = session.engine.position if position is None else position
         ms = (time.perf_counter() - start) * 1e3
         response.success, response.error_code, response.message, response.latency_ms = code == 0, code, message, ms
         self._latencies.add(kind, ms)
         if kind != "list":
             self._publish_event(kind, info, response)
             self._dirty.set()
+        self._report_journal(session)
         return response
 
-    def _record(self, kind: str, request: dict, engine: Engine, exc: BaseException | None,
-                extra: dict | None = None) -> None:
-        """Journal one operation. The operation has happened (or been refused) already, so a
-        journal that cannot write stops recording, with an error logged, and changes no answer."""
-        journal = self.journal
-        if journal is None:
-            return
-        try:
-            out = {"error_code": outcome(exc)[0] if exc else 0, "position": engine.position}
-            if exc is None:
-                out.update({k: v for k, v in (extra or {}).items() if k not in ("message", "repeat", "position")})
-                if kind not in (J.PREFILL, J.DECODE, J.STEP, J.SPILL):  # capsule calls: check the whole state
-                    out["state_digest"] = engine.state_digest()
-            journal.record(kind, request, out)
-        except Exception as exc:
-            self.journal = None   # a journal with a gap would not replay: stop it here
-            self.get_logger().error(f"journal stopped: recording {kind} failed ({exc}); the node keeps serving")
+    def _report_journal(self, session: Session | None) -> None:
+        if session is not None and session.journal_failure:
+            self.get_logger().error(f"journal stopped: {session.journal_failure}; the node keeps serving")
+            session.journal_failure = ""
 
     @property
     def serving(self) -> bool:
-        return self._active and self.engine is not None
-
-    def note_state_change(self, engine: Engine, kind: str, request: dict, extra: dict) -> None:
-        """Called holding ``engine.lock`` after a prefill, decode or policy step on ``engine``:
-        the one that changed, even if a cleanup has since put another in ``self.engine``."""
-        self._version += 1
-        self._record(kind, request, engine, None, extra)
-        self._dirty.set()   # "on change" status: sent within the poll interval, not per step
+        return self._active and self.session is not None
 
     def _snapshot(self, request: Snapshot.Request, response: Snapshot.Response) -> Snapshot.Response:
-        tier = request.tier or self.get_parameter("default_tier").value
-        fields = (request.name, request.tier, request.pin)
-
-        def call(engine: Engine):
+        def call(session: Session):
+            made = session.snapshot(request.name, request.tier or self.get_parameter("default_tier").value,
+                                    request.pin, request.request_id, requested_tier=request.tier,
+                                    lease_s=request.lease_s)
             rid = request.request_id
-            capsule_id = self._requests.earlier(rid, fields)
-            if capsule_id is not None:
-                info = engine.capsules.get(capsule_id, wait=False)
-                return self._fill(response, info), {"message": f"repeat of request_id {rid!r}: same capsule",
-                                                    "capsule_id": info.id, "position": info.position,
-                                                    "repeat": True}
-            info = engine.snapshot(name=request.name or None, tier=tier, pin=request.pin)
-            self._requests.remember(rid, fields, info.id)
-            if not rid:
-                return self._fill(response, info), {"capsule_id": info.id}
+            if made.repeat:
+                return (self._fill(response, made.info), f"repeat of request_id {rid!r}: same capsule",
+                        made.info.position)
             # The caller's trace id goes back in the answer and the event, and to the log.
-            self.get_logger().debug(f"snapshot {info.id} for request_id {shown(rid)}")
-            return self._fill(response, info), {"capsule_id": info.id, "message": f"ok (request_id {shown(rid)})"}
+            return self._fill(response, made.info), f"ok (request_id {shown(rid)})" if rid else "", None
 
-        return self._serve(J.SNAPSHOT, response, call, {"name": request.name, "tier": tier, "pin": request.pin,
-                                                       "request_id": request.request_id,
-                                                       "requested_tier": request.tier})
+        return self._serve(J.SNAPSHOT, response, call)
 
     def _restore(self, request: Restore.Request, response: Restore.Response) -> Restore.Response:
-        def call(engine: Engine):
-            info = engine.restore(request.capsule_id, verify=request.verify)
-            self._version += 1
-            return self._fill(response, info), {}
-
-        return self._serve(J.RESTORE, response, call, {"capsule_id": request.capsule_id, "verify": request.verify})
+        return self._serve(J.RESTORE, response,
+                           lambda session: (self._fill(response, session.restore(request.capsule_id,
+                                                                                 request.verify)), "", None))
 
     def _fork(self, request: Fork.Request, response: Fork.Response) -> Fork.Response:
         # A fork of the live state is a snapshot (see Engine.fork): it goes to the tier a
         # Snapshot with no tier goes to. A fork of a capsule shares its bytes, in its tier.
-        tier = "" if request.source_id else self.get_parameter("default_tier").value
+        def call(session: Session):
+            made = session.fork(request.source_id, request.name, self.get_parameter("default_tier").value,
+                                lease_s=request.lease_s)
+            response.source_id = made.info.parent if request.source_id else ""   # an id, also when named
+            return self._fill(response, made.info), "", None
 
-        def call(engine: Engine):
-            if request.source_id:
-                info = engine.fork(request.source_id, name=request.name or None)
-            else:
-                info = engine.snapshot(name=request.name or None, tier=tier)
-            response.source_id = info.parent if request.source_id else ""   # an id, also when named
-            return self._fill(response, info), {"capsule_id": info.id}
-
-        return self._serve(J.FORK, response, call, {"source_id": request.source_id, "name": request.name,
-                                                   "tier": tier})
+        return self._serve(J.FORK, response, call)
 
     def _rollback(self, request: Rollback.Request, response: Rollback.Response) -> Rollback.Response:
-        def call(engine: Engine):
-            if request.to_position < -1:
-                raise InvalidArgument(f"to_position must be >= 0, or -1 for unused; got {request.to_position}")
-            to_position = None if request.to_position == -1 else request.to_position
-            engine.rollback(steps=request.steps, to_position=to_position)
-            response.capsule_id = engine.rollback_origin if to_position is not None else ""
-            self._version += 1
-            return None, {}
+        def call(session: Session):
+            _, response.capsule_id = session.rollback(request.steps, request.to_position)
+            return None, "", None
 
-        return self._serve(J.ROLLBACK, response, call, {"steps": request.steps, "to_position": request.to_position})
+        return self._serve(J.ROLLBACK, response, call)
 
     def _list(self, request: ListCapsules.Request, response: ListCapsules.Response) -> ListCapsules.Response:
-        def call(engine: Engine):
-            response.capsules = [info_msg(i) for i in engine.capsules.list(request.tier)]
-            return None, {}
+        def call(session: Session):
+            response.capsules = [info_msg(i) for i in session.list(request.tier)]
+            return None, "", None
 
         return self._serve("list", response, call)
 
     def _drop(self, request: DropCapsule.Request, response: DropCapsule.Response) -> DropCapsule.Response:
-        def call(engine: Engine):
-            info = engine.capsules.drop(request.capsule_id)
+        def call(session: Session):
+            info = session.drop(request.capsule_id)
             response.capsule_id = info.id
-            return info, {}
+            return info, "", None
 
-        return self._serve(J.DROP, response, call, {"capsule_id": request.capsule_id})
+        return self._serve(J.DROP, response, call)
 
     @staticmethod
     def _fill(response: Any, info: CapsuleInfo) -> CapsuleInfo:
@@ -425,10 +379,10 @@ class FlashRTNode(LifecycleNode):
         if not self._generation.acquire(blocking=False):
             return self._finish_goal(goal_handle, result, Busy("another generate goal is running; one at a time"))
         try:
-            engine = self.engine
-            if not self._active or engine is None:
+            session = self.session
+            if not self._active or session is None:
                 raise NotActive(f"node is {self._label}, not active")
-            return self._finish_goal(goal_handle, result, run_generation(self, engine, goal_handle, result))
+            return self._finish_goal(goal_handle, result, run_generation(self, session, goal_handle, result))
         except Exception as exc:
             return self._finish_goal(goal_handle, result, exc)
         finally:
@@ -466,8 +420,8 @@ class FlashRTNode(LifecycleNode):
         self._latest_pose = msg
 
     def _on_joint_state(self, msg: JointState) -> None:
-        engine = self.engine
-        if not self._active or engine is None or not engine.config.policy:
+        session = self.session
+        if not self._active or session is None or not session.engine.config.policy:
             return
         if self._latest_pose is None:
             self._reject("no ~/ee_pose received yet; an observation needs both joint states and the pose")
@@ -481,14 +435,13 @@ class FlashRTNode(LifecycleNode):
             return
         try:
             obs = build_observation(self._joint_names, msg, self._latest_pose)
-            with engine.lock:
+            with session.engine.lock:
                 # Checked under the engine lock, which a goal holds for each token it commits:
                 # a step now would land between two of its tokens, inside the text it returns.
                 if self._generation.locked():
                     self._reject("a generate goal is running; a step would interleave with its tokens")
                     return
-                action = engine.step(obs)
-                self.note_state_change(engine, J.STEP, {"observation": obs.tolist()}, {"action": J.action_bytes(action)})
+                action = session.step(obs)
         except InvalidArgument as exc:
             self._reject(str(exc))
             return
@@ -496,7 +449,11 @@ class FlashRTNode(LifecycleNode):
             self.get_logger().error(f"policy step failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
             return
         self._counters["policy_steps"] += 1
-        self._action_pub.publish(JointTrajectoryPoint(positions=action.double().tolist()))
+        self._dirty.set()   # "on change" status: sent within the poll interval, not per step
+        self._report_journal(session)
+        publisher = self._action_pub
+        if publisher is not None:
+            publisher.publish(JointTrajectoryPoint(positions=action.double().tolist()))
 
     def _reject(self, why: str) -> None:
         self._counters["rejected_observations"] += 1
@@ -529,7 +486,19 @@ class FlashRTNode(LifecycleNode):
                 return
             self.get_logger().error(f"{kind} event not published:\n{traceback.format_exc()}")
 
-    def _publish_if_dirty(self) -> None:
+    def _poll(self) -> None:
+        """Leases that have run out end here, and "on change" status goes out."""
+        session = self.session
+        if session is not None and self._active:
+            try:
+                for info in session.expire():
+                    self._publish_event("drop", info, _LeaseEnded(position=session.engine.position,
+                                                                   message=f"lease of capsule {info.id} ended"))
+            except Exception:   # like the status: an engine fault must not stop the executor
+                if self.context.ok():
+                    self.get_logger().error(f"lease expiry failed:\n{traceback.format_exc()}",
+                                            throttle_duration_sec=5.0)
+            self._report_journal(session)
         if self._dirty.is_set():
             self._publish_status()
 
@@ -544,20 +513,16 @@ class FlashRTNode(LifecycleNode):
 
     def _publish_status_now(self) -> None:
         self._dirty.clear()
-        engine = self.engine
+        session = self.session
         now = self.get_clock().now().to_msg()
-        if engine is None:
+        if session is None:
             status = status_msg(self._label, None, "", now)
         else:
-            with engine.lock:   # one moment for every field: the digest is the position's
+            with session.engine.lock:   # one moment for every field: the digest is the position's
                 # Not while a goal commits tokens: hashing the state every poll period would cost
                 # it decode steps. Its end marks the status dirty, and the digest follows then.
-                digest = ""
-                if not self._generation.locked():
-                    if self._digest[0] != (self._version, engine.position):
-                        self._digest = ((self._version, engine.position), engine.state_digest())
-                    digest = self._digest[1]
-                status = status_msg(self._label, engine, digest, now)
+                digest = "" if self._generation.locked() else session.status_digest()
+                status = status_msg(self._label, session.engine, digest, now)
         self._status_pub.publish(status)
         counters = {**self._counters, "service_failures": self._capsule_services.failures}
         self._diagnostics.publish(diagnostics_msg(self.get_name(), status, self._latencies, counters, now))

@@ -5,9 +5,10 @@ import time
 import traceback
 from typing import Callable
 
-from rclpy._rclpy_pybind11 import RCLError
 from rclpy.context import Context
 from rclpy.executors import Executor, ExternalShutdownException
+
+from .rclpy_compat import RCLError
 
 
 def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[str], None]) -> None:

@@ -2,14 +2,14 @@
 
 A behaviour tree that times out waiting for a Snapshot answer retries with the
 same request_id; the node then answers with the capsule the first request made.
-The rule lives apart from the ROS node so that replay applies it to a journal
+The rule lives in the session layer, under ROS, so that replay applies it to a journal
 exactly as the node did.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from .errors import InvalidArgument, shown
+from ..errors import InvalidArgument, shown
 
 MAX_LENGTH = 256
 REMEMBERED = 1024   # the oldest ids are forgotten first
