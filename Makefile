@@ -167,6 +167,7 @@ $(BUILD_STAMP): $(VENV_STAMP) $(BUILD_INPUTS)
 	# --symlink-install links files one by one and never removes one: drop the links
 	# whose source is gone, then the folders left with nothing but bytecode, or a
 	# deleted subpackage stays importable from install/ as an empty namespace package.
+	find install/flashrt_ros/share/flashrt_ros -xtype l -delete 2>/dev/null || true
 	for site in install/flashrt_ros/lib/python3*/site-packages/flashrt_ros; do
 	  [ -d "$$site" ] || continue
 	  find "$$site" -xtype l -delete
