@@ -15,7 +15,7 @@ def _engine(folder) -> Engine:
 
 def _reseal(path, edit) -> None:
     header, data = diskformat.read(path)
-    for key in ("version", "data_digest", "header_digest"):
+    for key in ("version", "header_digest"):
         header.pop(key)
     edit(header)
     diskformat.write(path, header, data)

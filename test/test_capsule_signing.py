@@ -19,7 +19,7 @@ def _engine(folder, key=None) -> Engine:
 def _forge_history(path) -> None:
     """Rewrite the boundary log with every digest recomputed, as anyone can without the key."""
     header, data = diskformat.read(path)
-    for key in ("version", "data_digest", "header_digest", signing.FIELD):
+    for key in ("version", "header_digest", signing.FIELD):
         header.pop(key, None)
     header["log"] = [["prefill", 0, 2], ["prefill", 2, header["position"] - 2]]
     diskformat.write(path, header, data)

@@ -282,7 +282,7 @@ def test_a_write_interrupted_by_anything_leaves_no_temp_file(tmp_path, monkeypat
     def out_of_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(diskformat, "save", out_of_memory)
+    monkeypatch.setattr(diskformat, "_prefix", out_of_memory)
     with pytest.raises(MemoryError):
         engine.snapshot(tier="disk")
     assert os.listdir(tmp_path) == [] and engine.capsules.list() == []

@@ -18,7 +18,7 @@ def _engine(folder, **options) -> Engine:
 def _reseal(path, **changes) -> None:
     """Rewrite a capsule file with ``changes`` to its header, digests recomputed as anyone can."""
     header, data = diskformat.read(path)
-    for key in ("version", "data_digest", "header_digest"):
+    for key in ("version", "header_digest"):
         header.pop(key)
     diskformat.write(path, {**header, **changes}, data)
 

@@ -25,7 +25,7 @@ IMPORTS = {
     "py_trees": "py_trees", "numpy": "python3-numpy", "transforms3d": "python3-transforms3d",
     "matplotlib": "python3-matplotlib", "tqdm": "python3-tqdm", "rosbags": "python3-rosbags-pip",
     "transformers": "python3-transformers-pip",   # the bench's reference; a test dependency
-    "torch": None, "safetensors": None, "tokenizers": None,
+    "torch": None, "safetensors": None, "tokenizers": None, "blake3": None,
 }
 
 

@@ -49,7 +49,7 @@ def read(path: Path, layout: Layout, kinds: frozenset[str], key: bytes | None = 
     if merged(ranges) != layout.ranges(info.position):   # what a restore would write, exactly
         raise CorruptCapsule(f"{path.name}: holds other arena ranges than a capsule at position {info.position}")
     read_range = range_reader(ranges, data)
-    if state_digest(layout.regions, info.position, read_range) != info.digest:
+    if state_digest(layout.ranges(info.position), read_range) != info.digest:   # every stored byte
         raise CorruptCapsule(f"{path.name}: does not match its digest")
     if history_digest(layout.regions, info.position, read_range) != info.history_hash:
         raise CorruptCapsule(f"{path.name}: does not match its history hash")

@@ -2,10 +2,10 @@
 
 The file holds one uint8 tensor, ``state``: the capsule's live bytes, range
 after range, and a JSON header under the metadata key ``flashrt_capsule``
-(ids, fingerprints, digest, region table, ranges). The data is covered by the
-capsule digest and (with the padding between regions) by ``data_digest``, the
-header by its own ``header_digest``, so a flipped byte anywhere is caught; with a key, the
-header is signed too (``signing``). It is written to a temp file, fsynced, renamed into place
+(ids, fingerprints, digest, region table, ranges). The data is exactly the bytes the
+capsule digest covers (``flashrt_ros.digest``), which ``disk_capsules`` checks; the header
+has its own ``header_digest``, so a flipped byte anywhere is caught. With a key, the
+header, which names the digest, is signed too (``signing``). It is written to a temp file, fsynced, renamed into place
 and the folder fsynced, so a crash leaves either the old set of files or the new one. It is
 read whole into memory the process owns, never mapped. The file name comes from the capsule
 id, never from its user-given name. No pickle anywhere.
@@ -13,7 +13,6 @@ id, never from its user-given name. No pickle anywhere.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import stat
@@ -25,23 +24,18 @@ except ImportError:   # no flock (Windows): temp files are told apart by their w
     fcntl = None
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save
+from blake3 import blake3
 
 from . import signing
 from .errors import CapsuleIOError, CorruptCapsule
 
 SUFFIX = ".capsule"
-VERSION = 2
+VERSION = 3   # 3: the capsule digest covers every stored byte (no data_digest of its own)
 _KEY = "flashrt_capsule"
 
 
-def _data_digest(data: torch.Tensor) -> str:
-    return hashlib.blake2b(data.numpy().data, digest_size=32).hexdigest()
-
-
 def _header_digest(header: dict) -> str:
-    return hashlib.blake2b(signing.canonical(header, ("header_digest",)), digest_size=16).hexdigest()
+    return blake3(signing.canonical(header, ("header_digest",))).hexdigest(length=16)
 
 
 def path_for(folder: Path, capsule_id: str) -> Path:
@@ -58,17 +52,15 @@ def write(path: Path, header: dict, data: torch.Tensor, key: bytes | None = None
     try:
         held = _hold(tmp)
         data = data.contiguous()
-        full = {"version": VERSION, **header, "data_digest": _data_digest(data)}
+        full = {"version": VERSION, **header}
         full.pop(signing.FIELD, None)
         if key is not None:
             full[signing.FIELD] = signing.sign(key, full)
         full["header_digest"] = _header_digest(full)
-        # Serialised here and written into the held file: safetensors' save_file writes a temp
-        # file of its own (".tmpXXXXXX") and renames it, and a crash mid-write left that one,
-        # the capsule's full size, where no cleaner looks. The price: the bytes twice in memory.
-        blob = save({"state": data}, metadata={_KEY: json.dumps(full)})
-        with os.fdopen(held, "wb", closefd=False) as f:
-            f.write(blob)
+        # Framed here and written into the held file from the data's own memory: safetensors'
+        # save_file writes a temp file of its own (".tmpXXXXXX"), which a crash mid-write left
+        # where no cleaner looks, and its save() makes a second copy of the bytes.
+        _write_all(held, [_prefix(json.dumps(full), data.numel()), memoryview(data.numpy())])
         os.fsync(held)
         os.replace(tmp, path)
         placed = True
@@ -82,12 +74,31 @@ def write(path: Path, header: dict, data: torch.Tensor, key: bytes | None = None
                 leftover.unlink(missing_ok=True)
             except OSError:  # the folder itself is gone or is not a folder: nothing was left there
                 pass
-        if isinstance(exc, (OSError, SafetensorError)):   # safetensors reports a full disk as SafetensorError
+        if isinstance(exc, OSError):
             raise CapsuleIOError(f"cannot write capsule {path.name}: {getattr(exc, 'strerror', None) or exc}") from None
         raise
     finally:
         if held >= 0:
             os.close(held)
+
+
+def _prefix(meta: str, count: int) -> bytes:
+    """What precedes a capsule's bytes in its file: the safetensors framing of one uint8 tensor
+    ``state`` of ``count`` bytes, with the capsule header as its metadata (an 8-byte
+    little-endian length, then the JSON table, padded with spaces to 8 bytes as safetensors
+    pads it). ``_framing`` reads it back; safetensors itself reads the file too (a test)."""
+    table = json.dumps({"__metadata__": {_KEY: meta},
+                        "state": {"dtype": "U8", "shape": [count], "data_offsets": [0, count]}},
+                       separators=(",", ":")).encode()
+    table += b" " * (-len(table) % 8)
+    return len(table).to_bytes(8, "little") + table
+
+
+def _write_all(fd: int, parts: list) -> None:
+    for part in parts:
+        view, done = memoryview(part).cast("B"), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
 
 
 def _hold(path: Path) -> int:
@@ -176,8 +187,9 @@ def _alive(pid: int) -> bool:
 def read(path: Path, most_bytes: int | None = None, most_header: int | None = None,
          key: bytes | None = None) -> tuple[dict, torch.Tensor]:
     """The capsule file's JSON header and its stored bytes, read once into memory this process
-    owns and checked: the framing, the header digest, the signature (with a ``key``) and the
-    data digest. Raises CorruptCapsule (UntrustedCapsule for the signature) or CapsuleIOError.
+    owns and checked: the framing, the header digest and the signature (with a ``key``); the
+    bytes against the capsule's digest are ``disk_capsules``' check. Raises CorruptCapsule
+    (UntrustedCapsule for the signature) or CapsuleIOError.
 
     The file is opened once (no link followed, a FIFO never waited on), checked to be a
     regular file of at most ``most_bytes`` before a byte is read, and read with ``read`` calls,
@@ -206,10 +218,7 @@ def read(path: Path, most_bytes: int | None = None, most_header: int | None = No
                        for r in ranges)
             or sum(e - s for s, e in ranges) != stored):
         raise CorruptCapsule(f"{path.name}: header ranges do not describe the stored bytes")
-    data = blob[start:start + stored]
-    if _data_digest(data) != header.get("data_digest"):
-        raise CorruptCapsule(f"{path.name}: stored bytes do not match their data digest")
-    return header, data
+    return header, blob[start:start + stored]
 
 
 def _read_whole(path: Path, most_bytes: int | None) -> torch.Tensor:

@@ -288,7 +288,7 @@ class CapsuleStore:
             if record.info.tier == "disk":
                 self._read_disk(record)  # verifies on read
                 return
-            actual = state_digest(self.layout.regions, record.info.position, lambda s, e: self._read(record, s, e))
+            actual = state_digest(self.layout.ranges(record.info.position), lambda s, e: self._read(record, s, e))
         if actual != record.info.digest:
             raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
 
@@ -359,7 +359,7 @@ class CapsuleStore:
     def _compute_digest(self, record: Record, pieces: list[Piece]) -> None:
         """On the digest thread, from the pieces the job holds (a drop empties record.pieces)."""
         read = lambda s, e: self._read(record, s, e, pieces)  # noqa: E731
-        digest = state_digest(self.layout.regions, record.info.position, read)
+        digest = state_digest(self.layout.ranges(record.info.position), read)
         history = history_digest(self.layout.regions, record.info.position, read)
         # Only _demote also replaces info, and it finishes the job first.
         record.info = record.info._replace(digest=digest, history_hash=history)
@@ -534,7 +534,7 @@ class CapsuleStore:
         data = plan.chunk.data
         read = disk_capsules.range_reader(plan.ranges, data)
         info = plan.info._replace(id=secrets.token_hex(8), created=time.time(),
-                                  digest=state_digest(self.layout.regions, plan.info.position, read),
+                                  digest=state_digest(self.layout.ranges(plan.info.position), read),
                                   history_hash=history_digest(self.layout.regions, plan.info.position, read))
         path = self._write_disk(info, plan.ranges, data, plan.log)
         record = Record(info, [], plan.log, path)

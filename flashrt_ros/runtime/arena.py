@@ -17,7 +17,6 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..digest import state_digest
 from ..hugepages import empty_huge
 
 GROUPS = ("kv", "recurrent", "conv", "mtp", "meta")
@@ -151,7 +150,3 @@ class StateArena:
     def read(self, start: int, end: int):
         """Host bytes at arena offsets [start, end) (a device-to-host copy on CUDA)."""
         return self.buffer[start:end].cpu().numpy()
-
-    def digest(self, position: int) -> str:
-        """blake2b over every region's live bytes, in table order."""
-        return state_digest(self.regions, position, self.read)

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 import torch
+from blake3 import blake3
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -284,9 +285,9 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch
 
 
 def fingerprint(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
-    """blake2b of the config, the compute dtype (if given), and every weight's name, dtype,
-    shape and bytes."""
-    h = hashlib.blake2b(digest_size=16)
+    """BLAKE3 of the config, the compute dtype (if given), and every weight's name, dtype,
+    shape and bytes (the hash a multi-GB checkpoint is read through at every start)."""
+    h = blake3()
     h.update(cfg.fingerprint().encode())
     if dtype is not None:
         h.update(f"|compute {dtype}|".encode())
@@ -294,4 +295,4 @@ def fingerprint(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch
         t = weights[name].detach().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).cpu().numpy() if t.numel() else b"")
-    return h.hexdigest()
+    return h.hexdigest(length=16)
