@@ -19,11 +19,13 @@ def test_capsule_benchmark_runs_with_short_prefixes():
     """Prefixes shorter than the rollback section's 512-token prompt once overran the engine."""
     result = capsules.run("cpu", rounds=1, prefixes=(64, 96))
     names = [c["name"] for c in result["checks"]]
-    assert names == ["rollback bookkeeping / decode step"]   # no state of 1 MiB, no 2k or 16k prefix
+    # no state of 4 MiB, no 2k or 16k prefix, no disk capsule of 512 tokens
+    assert names == ["rollback bookkeeping / decode step"]
     assert all(_finite(c) for c in result["checks"])
     assert [row["prefix"] for row in result["ttft"]] == [64, 96]
     row = result["copies"][0]
     assert row["position"] == 16 and row["digest_ratio"] > 0 and row["snapshot_ratio"] > 0
+    assert result["disk"] == [] and sum(result["sizes"]["per_token"].values()) > 0
 
 
 def test_runtime_benchmark_runs_and_reports_the_decode_floor():

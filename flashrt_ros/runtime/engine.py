@@ -8,7 +8,6 @@ consistent, so a snapshot can slot in between any two of them.
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -16,80 +15,41 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout, signing
+from .. import digest
+from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..capsule.errors import CapsuleError, CorruptCapsule
 from ..errors import FlashRTError, InvalidArgument, Preempted, shown
 from . import inputs, weights as weights_io
 from .arena import GROUPS, StateArena
+from .backends import cpu as cpu_backend
 from .config import ModelConfig
 from .fairlock import FairRLock
 from .graph import Step
 from .history import DECODE, PREFILL, STEP, Boundary, RingSlots, appended, between as runs_between, truncated
 from .inputs import is_int
 from .models.qwen35 import Qwen35, state_specs
-from .backends import cpu as cpu_backend
+from .options import EngineOptions
 
 log = logging.getLogger(__name__)
 
 # float64 is there to check the arithmetic itself against a float64 reference.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_OPTIONS = {"cuda_graphs": True, "static_shapes": False, "prefill_chunk": 512, "flush_denormal": True,
-            "decode_threads": 0, "cpu_kernels": True, "capsule_dir": None, "budgets": None,
-            "spill": True, "rollback_depth": 8, "capsule_key": None}
 
 
 class Engine:
     """Serve a Qwen3.5-style hybrid model whose whole execution state lives in one arena.
 
-    Options (keyword arguments of both constructors):
-      cuda_graphs: capture decode as CUDA graphs when the device is CUDA (default True).
-      static_shapes: run decode with the fixed shapes a graph needs even when eager
-        (what the graph computes, checkable on a CPU).
-      prefill_chunk: prompt tokens per prefill pass; bounds attention memory.
-      flush_denormal: on a CPU, set flush-to-zero on the thread that runs each step
-        (default True). Decaying recurrent states reach denormal floats, which make
-        x86 arithmetic several times slower; the flag persists on that thread.
-      decode_threads: on a CPU, the torch thread count for one-row steps (decode and
-        policy steps); 0 (default) keeps torch's own.
-      cpu_kernels: on a CPU in float32, run the CPU backend where the package's C library
-        is built (default True, ``runtime.backends.cpu``): products of up to a few rows
-        (decode and policy steps) on its row kernel, and every linear-attention mixer on its
-        delta kernel. They round otherwise than torch's, so a rollback or a replay runs
-        with the engine's own setting, and ``engine.cpu_kernels`` says which runs.
-      capsule_key: bytes that sign every capsule file written (HMAC-SHA256); files without
-        a valid signature are then refused, at start and on restore (``capsule.signing``).
-        None (default): files carry digests, which catch accidents, not deliberate edits.
+    Options are keyword arguments of both constructors: see ``EngineOptions``.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, seeded: Sequence[str] = (),
                  **options: Any) -> None:
-        unknown = sorted(set(options) - set(_OPTIONS))
-        if unknown:
-            raise InvalidArgument(f"unknown engine options {unknown}; known: {sorted(_OPTIONS)}")
-        opts = {**_OPTIONS, **options}
+        opts = EngineOptions.of(options)
         if not is_int(max_seq_len) or max_seq_len < 1:
             raise InvalidArgument(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype {dtype} is not supported ({', '.join(map(str, _DTYPES))})")
-        for key, least in (("prefill_chunk", 1), ("decode_threads", 0), ("rollback_depth", 1)):
-            if not is_int(opts[key]) or opts[key] < least:
-                raise InvalidArgument(f"{key} must be an int >= {least}, got {opts[key]!r}")
-        if opts["budgets"] is not None and not isinstance(opts["budgets"], dict):
-            raise InvalidArgument(f"budgets must be a dict of bytes per tier, got {opts['budgets']!r:.60}")
-        folder = opts["capsule_dir"]
-        text = os.fspath(folder) if isinstance(folder, (str, os.PathLike)) else None
-        if folder is not None and (not isinstance(text, str) or not text or "\0" in text):
-            # "" would read as the working directory to a Path and as no disk tier to the store.
-            raise InvalidArgument(f"capsule_dir must be a non-empty path without NUL bytes (None: no disk tier), "
-                                  f"got {folder!r:.60}")
-        key = opts["capsule_key"]
-        if key is not None and (not isinstance(key, bytes) or not signing.MIN_KEY_BYTES <= len(key) <= signing.MAX_KEY_BYTES):
-            raise InvalidArgument(f"capsule_key must be None or {signing.MIN_KEY_BYTES} to {signing.MAX_KEY_BYTES} "
-                                  f"bytes (signing.load_key reads a key file), got {type(key).__name__}")
-        for key in ("cuda_graphs", "static_shapes", "flush_denormal", "spill", "cpu_kernels"):
-            if not isinstance(opts[key], bool):   # bool("false") is True
-                raise InvalidArgument(f"{key} must be True or False, got {opts[key]!r}")
         weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
         self.config = cfg
         self.device = inputs.device(device)
@@ -99,9 +59,9 @@ class Engine:
         # Where generation stops (the tokenizer may add its own eos): from_pretrained adds
         # generation_config.json's.
         self.stop_token_ids: tuple[int, ...] = cfg.eos_token_ids
-        self._prefill_chunk = int(opts["prefill_chunk"])
-        self._flush_denormal = bool(opts["flush_denormal"]) and self.device.type == "cpu"
-        self._decode_threads = int(opts["decode_threads"]) if self.device.type == "cpu" else 0
+        self._prefill_chunk = opts.prefill_chunk
+        self._flush_denormal = opts.flush_denormal and self.device.type == "cpu"
+        self._decode_threads = opts.decode_threads if self.device.type == "cpu" else 0
         self._lock = FairRLock()
         # Everything built here is a normal tensor even when the caller is inside
         # torch.inference_mode(): the capsule calls and the digest thread write into the
@@ -117,13 +77,13 @@ class Engine:
                         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
                     raise
                 raise InvalidArgument(f"the engine does not fit in {self.device}'s memory (max_seq_len="
-                                      f"{self.max_seq_len}, rollback_depth={opts['rollback_depth']}): "
+                                      f"{self.max_seq_len}, rollback_depth={opts.rollback_depth}): "
                                       f"{str(exc).splitlines()[0][:200]}") from None
 
-    def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: dict[str, Any]) -> None:
+    def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: EngineOptions) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
-        self.cpu_kernels = bool(opts["cpu_kernels"]) and cpu_backend.serves(self.device, self.dtype)
-        if opts["cpu_kernels"] and not self.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+        self.cpu_kernels = opts.cpu_kernels and cpu_backend.serves(self.device, self.dtype)
+        if opts.cpu_kernels and not self.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
             log.warning("the package's C library (src/) is not built: decode runs on the torch reference path; "
                         "build the package with a C compiler (colcon build, or pip install .)")
         self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, cpu_kernels=self.cpu_kernels)
@@ -135,20 +95,20 @@ class Engine:
         self.arena = StateArena(state_specs(cfg, self.max_seq_len, self.dtype), self.device)
         self.model.bind(self.arena)
         self.layout_fingerprint = self.arena.layout_fingerprint()
-        depth = int(opts["rollback_depth"])   # checked in __init__
+        depth = opts.rollback_depth
         budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
-        budgets.update(opts["budgets"] or {})
+        budgets.update(opts.budgets or {})
         self.capsules = CapsuleStore(
             Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
-            self.model_fingerprint, self.device, budgets, bool(opts["spill"]), opts["capsule_dir"], lock=self._lock,
-            log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE), key=opts["capsule_key"])
+            self.model_fingerprint, self.device, budgets, opts.spill, opts.capsule_dir, lock=self._lock,
+            log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE), key=opts.capsule_key)
         self._slots = RingSlots(depth, self.arena.fixed_bytes, self.device)
         self._state = Boundary()
         # 4. warm up + 5. capture graphs (the warm-up writes state, so zero it after)
-        self.cuda_graphs = bool(opts["cuda_graphs"]) and self.device.type == "cuda"
+        self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
         # Decode over every cache row with a mask (what a graph needs) rather than the live rows:
         # the same tokens, other roundings, so a replay must know which.
-        self.fixed_shapes = self.cuda_graphs or bool(opts["static_shapes"])
+        self.fixed_shapes = self.cuda_graphs or opts.static_shapes
         self._obs_in = self._action_out = None
 
         def step(fn: Callable[[], None]) -> Step:
@@ -246,9 +206,12 @@ class Engine:
         return self._lock
 
     def state_digest(self) -> str:
-        """blake2b over every region's live bytes (per-token regions only up to position)."""
+        """The live state's digest (``flashrt_ros.digest``): the one its capsule would carry."""
         with self._lock:
-            return self.arena.digest(self._state.position)
+            return self._digest(self._state.position)
+
+    def _digest(self, position: int) -> str:
+        return digest.state_digest(self.capsules.layout.ranges(position), self.arena.read)
 
     def close(self) -> None:
         """Release the capsule store's memory and its digest thread (disk capsules stay on
@@ -511,7 +474,7 @@ class Engine:
             plan = self.capsules.plan_restore(record, keep)   # a refusal here has changed nothing
             try:
                 plan.copy(self.arena.buffer)
-                if verify and self.arena.digest(plan.position) != record.info.digest:
+                if verify and self._digest(plan.position) != record.info.digest:
                     raise _VerifyFailed
                 self._state = Boundary(position=plan.position, lineage=state.lineage + 1, log=plan.log,
                                        base=(record, plan.position),
