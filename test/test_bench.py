@@ -31,11 +31,12 @@ def test_capsule_benchmark_runs_with_short_prefixes():
 def test_runtime_benchmark_runs_and_reports_the_decode_floor():
     result = runtime.run("cpu", prompt=16, tokens=2, rounds=3)   # medians of 3: one slow memcpy made it 0.45
     assert [c["name"] for c in result["checks"]] == [
-        "decode speed-up over transformers", "decode time / bandwidth limit", "prefill speed-up over transformers",
-        "row kernel over torch's one-row product"]
+        "decode speed-up over transformers", "decode time / bandwidth limit", "prefill speed-up over transformers"]
     assert all(_finite(c) for c in result["checks"])
-    assert set(result["cpu_kernel_ratios"]) == {"rows1", "rows4", "delta1", "delta16"}
-    assert all(r > 0 for r in result["cpu_kernel_ratios"].values())
+    ratios = result["cpu_kernel_ratios"]
+    assert set(ratios) == {"rows1", "rows4", "delta1", "delta16", "batch_invariant_kernel", "batch_invariant_torch"}
+    assert all(ratios[k] > 0 for k in ("rows1", "rows4", "delta1", "delta16"))
+    assert ratios["batch_invariant_kernel"] == 1.0
     # Reading the weights alone cannot beat the limit by much: both stream the same bytes.
     assert result["decode_floor"] > 0.5
 
