@@ -122,13 +122,10 @@ def test_policy_steps_publish_actions_equal_to_the_engine(ros_context):
         h.close()
 
 
-def test_params_file_loads_and_every_parameter_is_in_it(ros_context):
+def _flat_params(path) -> dict:
+    """A params file's parameters, nested names joined with dots (as rclpy names them)."""
     import yaml
 
-    from flashrt_ros.ros.params import PARAMS
-    from flashrt_ros.ros.node import FlashRTNode
-
-    config = ROOT / "config" / "flashrt.yaml"
     flat = {}
 
     def walk(prefix, tree):
@@ -136,7 +133,18 @@ def test_params_file_loads_and_every_parameter_is_in_it(ros_context):
             name = f"{prefix}.{key}" if prefix else key
             walk(name, value) if isinstance(value, dict) else flat.__setitem__(name, value)
 
-    walk("", yaml.safe_load(config.read_text())["/**"]["ros__parameters"])
+    walk("", yaml.safe_load(path.read_text())["/**"]["ros__parameters"])
+    return flat
+
+
+def test_params_file_loads_and_every_parameter_is_in_it(ros_context):
+    import yaml
+
+    from flashrt_ros.ros.params import PARAMS
+    from flashrt_ros.ros.node import FlashRTNode
+
+    config = ROOT / "config" / "flashrt.yaml"
+    flat = _flat_params(config)
     assert flat == {p.name: p.default for p in PARAMS}, "config/flashrt.yaml and the parameter table differ"
 
     from rclpy.context import Context
@@ -275,14 +283,7 @@ def test_the_jetson_thor_profile_names_only_known_parameters_and_a_node_takes_th
     from flashrt_ros.ros.node import FlashRTNode
 
     profile = ROOT / "config" / "jetson_thor.yaml"
-    flat = {}
-
-    def walk(prefix, tree):
-        for key, value in tree.items():
-            name = f"{prefix}.{key}" if prefix else key
-            walk(name, value) if isinstance(value, dict) else flat.__setitem__(name, value)
-
-    walk("", yaml.safe_load(profile.read_text())["/**"]["ros__parameters"])
+    flat = _flat_params(profile)
     assert set(flat) <= {p.name for p in params.PARAMS}
     assert all(params._reason(name, value) == "" for name, value in flat.items())
     assert params.check_together({p.name: p.default for p in params.PARAMS} | flat) == ""
