@@ -1,14 +1,23 @@
-"""flashrt-replay BAG: replay a recorded session on a fresh engine and check every output.
+"""flashrt-replay BAG: replay a recorded session on a fresh engine and judge every output.
 
-Exit status: 0 when every output is identical (tokens, action bytes, positions,
-error codes, state digests after capsule calls); 1 at the first mismatch,
-which is named; 2 when the bag cannot be read as a flashrt journal.
+Two verdicts, both reported per message that differs:
+  exact     every output byte-identical (tokens, action bytes, positions, error codes, state
+            digests after capsule calls): promised on the recording's platform only
+  portable  tokens identical wherever the recorded margin of the choice exceeds --margin-tol
+            (closer to a tie a differing token is a tie, and the replay goes on from the
+            recorded one); actions within --action-atol + --action-rtol x |recorded|; every
+            call with the recorded outcome, error code and position
+--verdict auto (the default) applies exact on the recording's platform (the same device,
+torch, CPU kernels, CPU and thread count) and portable elsewhere.
 
-Run as a program on x86, it re-executes itself once under the vector kernels
-the session was recorded with (ATEN_CPU_CAPABILITY, which torch reads only
-when a process starts), unless that variable is set already. It only ever
-steps down (AVX-512 to AVX2): torch does not check the variable against the
-CPU, and kernels the CPU lacks would crash it.
+Exit status: 0 when the applied verdict passes; 1 when it fails, naming each message; 2 when
+the bag cannot be read as a flashrt journal or its engine cannot be rebuilt.
+
+Run as a program on x86, it re-executes itself once under the vector kernels the session was
+recorded with (ATEN_CPU_CAPABILITY, which torch reads only when a process starts), unless that
+variable is set already or the verdict asked for is portable. It only ever steps down (AVX-512
+to AVX2): torch does not check the variable against the CPU, and kernels the CPU lacks would
+crash it.
 """
 from __future__ import annotations
 
@@ -16,32 +25,29 @@ import argparse
 import os
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
 from .bag import ENTRY_TOPIC, read_bag
 from ..capsule import signing
 from ..errors import InvalidArgument
-from .journal import ReplayMismatch, check_entries, replay
-from .session import cpu_name, engine_for
+from .journal import check_entries, judge
+from .session import cpu_name, engine_for, platform_differences
+from .verdicts import DIFFERS, Tolerance, Verdicts
 
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
 # torch's x86 kernel levels, lowest first.
 X86_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
+_SHOWN = 20   # findings printed; --report lists them all
 
 
 def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     """``rerun``: allowed to re-execute this process at the recorded kernels. Only the
     command itself passes it: a re-exec restarts whatever program the process runs."""
-    parser = argparse.ArgumentParser(prog="flashrt-replay", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bag", help="rosbag2 folder (MCAP) written by flashrt_node's journal_path")
-    parser.add_argument("--device", default="cpu", help="torch device of the fresh engine (default cpu)")
-    parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
-                        "(default: the capsule_dir it recorded); they are copied, never changed")
-    parser.add_argument("--capsule-key-file", help="the key file of a session that signed its capsule files")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
+        tolerance = Tolerance(args.margin_tol, args.action_atol, args.action_rtol)
         journal = read_bag(args.bag)
         try:
             check_entries(journal.entries)
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
         capability = journal.session.get("aten_cpu_capability")
         if capability is not None and not isinstance(capability, str):
             raise ValueError(f"the session records aten_cpu_capability={capability!r}, not a name")
-        if rerun:
+        if rerun and args.verdict != "portable":
             _rerun_at(capability)
         threads = journal.session.get("torch_threads")
         if threads is not None:   # see session_of: the split of elementwise work must be the recorded one
@@ -58,25 +64,19 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
                 raise ValueError(f"the session records torch_threads={threads!r}, not an int >= 1")
             torch.set_num_threads(threads)
         key = signing.load_key(args.capsule_key_file) if args.capsule_key_file else None
-        engine = engine_for(journal.session, args.device, args.capsule_dir, key)
+        engine = engine_for(journal.session, args.device, args.capsule_dir, key, strict=args.verdict == "exact")
     except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read
         print(f"flashrt-replay: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     session = journal.session
+    differences = platform_differences(session, engine)
+    verdict = args.verdict if args.verdict != "auto" else ("portable" if differences else "exact")
     print(f"replaying {len(journal.entries)} operations from {args.bag} "
           f"({session['model_path'] or 'embedded default'}, model {session['model_fingerprint'][:12]})")
+    print("platform: the recording's" if not differences else "platform differs: " + "; ".join(differences))
     try:
-        report = replay(journal.entries, engine)
+        report = judge(journal.entries, engine, tolerance)
         digest = engine.state_digest()
-    except ReplayMismatch as exc:
-        print(f"MISMATCH in {ENTRY_TOPIC}, {exc}", file=sys.stderr)
-        print(f"(recorded with torch {session.get('torch', 'unknown')} on "
-              f"{session.get('aten_cpu_capability', 'unrecorded')} kernels of {session.get('cpu', 'an unrecorded CPU')}, "
-              f"replayed with {torch.__version__} on {torch.backends.cpu.get_cpu_capability()} kernels of "
-              f"{cpu_name()}: replay is byte-exact on the same torch, "
-              "CPU kernels and flashrt_ros build only, and MKL's products may round differently on another "
-              "CPU vendor)", file=sys.stderr)
-        return 1
     except (KeyError, TypeError, ValueError, AttributeError) as exc:   # an entry missing what its kind needs
         print(f"flashrt-replay: cannot replay {args.bag}: malformed entry ({type(exc).__name__}: {exc})",
               file=sys.stderr)
@@ -84,14 +84,82 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     finally:
         # Stop the digest thread before the interpreter exits. A mismatch right after a
         # snapshot can leave it hashing inside torch, and a daemon thread killed there at
-        # exit aborts the process: once in CI, exit -6 instead of 1 (not reproduced in 140
-        # runs here).
+        # exit aborts the process.
         engine.close()
-    print(f"identical: {report.entries} operations, {report.tokens} tokens, {report.actions} actions "
-          f"(byte for byte), {report.capsule_calls} capsule calls with their state digests, "
-          f"{report.failures_reproduced} refusals with the same error codes")
-    print(f"final state digest {digest}")
-    return 0
+    if args.report:
+        _write_report(Path(args.report), journal.entries, report)
+    _print_verdicts(report, tolerance, verdict, session)
+    if report.stopped is None:
+        print(f"final state digest {digest}")
+    return 0 if (report.exact if verdict == "exact" else report.portable) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashrt-replay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bag", help="rosbag2 folder (MCAP) written by flashrt_node's journal_path")
+    parser.add_argument("--device", default="cpu", help="torch device of the fresh engine (default cpu)")
+    parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
+                        "(default: the capsule_dir it recorded); they are copied, never changed")
+    parser.add_argument("--capsule-key-file", help="the key file of a session that signed its capsule files")
+    parser.add_argument("--verdict", choices=("auto", "exact", "portable"), default="auto",
+                        help="the verdict that decides the exit status (default auto: exact on the recording's "
+                        "platform, portable elsewhere)")
+    defaults = Tolerance()
+    parser.add_argument("--margin-tol", type=float, default=defaults.margin,
+                        help=f"logits: a token chosen closer than this to a tie may differ (default {defaults.margin:g})")
+    parser.add_argument("--action-atol", type=float, default=defaults.action_atol,
+                        help=f"absolute action tolerance (default {defaults.action_atol:g})")
+    parser.add_argument("--action-rtol", type=float, default=defaults.action_rtol,
+                        help=f"relative action tolerance (default {defaults.action_rtol:g})")
+    parser.add_argument("--report", help="write both verdicts for every message to this file (tab-separated)")
+    return parser
+
+
+def _print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: dict) -> None:
+    messages = report.messages()
+    out = sys.stdout if (report.exact if verdict == "exact" else report.portable) else sys.stderr
+    for finding in report.findings[:_SHOWN]:
+        print(("MISMATCH " if verdict == "exact" or finding.portable == DIFFERS else "") +
+              f"in {ENTRY_TOPIC}, message {finding.line()}", file=out)
+    if len(report.findings) > _SHOWN:
+        print(f"... and {len(report.findings) - _SHOWN} more (--report FILE lists every message)", file=out)
+    if report.stopped is not None:
+        print(f"stopped at seq={report.stopped.seq}: a call with another outcome or position, from which the "
+              f"session cannot be judged further", file=out)
+    counts = (f"{report.entries} operations, {report.tokens} tokens, {report.actions} actions, "
+              f"{report.capsule_calls} capsule calls, {report.failures_reproduced} refusals")
+    print(f"exact:    {'identical' if report.exact else 'differs'}: {counts}"
+          + ("" if report.exact else f"; {len(messages)} messages differ"), file=out)
+    failing = sum(p == "fail" for _, p in messages.values())
+    print(f"portable: {'pass' if report.portable else 'fail'}: {report.ties} ties within margin "
+          f"{tolerance.margin:g}, largest action difference {report.largest_action_difference:.3g} "
+          f"(atol {tolerance.action_atol:g}, rtol {tolerance.action_rtol:g})"
+          + (f"; {failing} messages fail" if failing else ""), file=out)
+    print(f"verdict applied: {verdict}", file=out)
+    if not report.exact:
+        print(f"(recorded with torch {session.get('torch', 'unknown')} on "
+              f"{session.get('aten_cpu_capability', 'unrecorded')} kernels of {session.get('cpu', 'an unrecorded CPU')}, "
+              f"replayed with {torch.__version__} on {torch.backends.cpu.get_cpu_capability()} kernels of "
+              f"{cpu_name()}: replay is byte-exact on the same torch, CPU kernels and flashrt_ros build only, and "
+              "MKL's products may round differently on another CPU vendor)", file=out)
+
+
+def _write_report(path: Path, entries: list, report: Verdicts) -> None:
+    messages = report.messages()
+    by_seq: dict[int, list[str]] = {}
+    for finding in report.findings:
+        by_seq.setdefault(finding.seq, []).append(f"{finding.what} {finding.portable}"
+                                                  + (f" ({finding.detail})" if finding.detail else ""))
+    judged = report.entries
+    with path.open("w") as f:
+        f.write("seq\tkind\texact\tportable\tdetail\n")
+        for entry in entries:
+            if entry.seq >= judged:
+                exact, portable = "not judged", "not judged"
+            else:
+                exact, portable = messages.get(entry.seq, ("identical", "pass"))
+            f.write(f"{entry.seq}\t{entry.kind}\t{exact}\t{portable}\t{'; '.join(by_seq.get(entry.seq, []))}\n")
 
 
 def _rerun_at(wanted: str | None) -> None:

@@ -1,17 +1,19 @@
 """Replay of a journal (``serving.journal``) on a fresh engine.
 
-``replay`` applies the entries one after another and compares every output: tokens, action
-bytes, positions, error codes and state digests. Capsule ids are random per process, so replay
+``judge`` applies the entries one after another and judges every output (tokens, actions,
+positions, error codes, state digests) both ways, exact and portable (``verdicts``); ``replay``
+demands the exact verdict. Capsule ids are random per process, so replay
 maps recorded ids to the ones it creates. ROS-free: it needs only an engine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..errors import FlashRTError, InvalidArgument
 from ..serving.journal import DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, action_bytes
 from ..serving.requests import SnapshotRequests
+from . import verdicts
+from .verdicts import DIFFERS, EXACT_ONLY, SAME, Finding, Tolerance, Verdicts
 
 
 class ReplayMismatch(AssertionError):
@@ -23,26 +25,34 @@ class ReplayMismatch(AssertionError):
         self.entry, self.what = entry, what
 
 
-@dataclass
-class ReplayReport:
-    entries: int = 0
-    tokens: int = 0
-    actions: int = 0
-    capsule_calls: int = 0
-    failures_reproduced: int = 0
+def replay(entries: Iterable[Entry], engine: Any) -> Verdicts:
+    """Apply ``entries`` to ``engine`` in order; raise ReplayMismatch at the first output that is
+    not byte-identical (the exact verdict, stopping early)."""
+    return judge(entries, engine, strict=True)
 
 
-def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
-    """Apply ``entries`` to ``engine`` in order; raise ReplayMismatch at the first difference.
+def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Tolerance(),
+          strict: bool = False) -> Verdicts:
+    """Apply ``entries`` to ``engine`` and judge every output both ways (see ``verdicts``).
 
-    Every entry is checked for what its kind must hold before the first is applied
-    (``check_entries``): a malformed journal is refused as a whole, wherever a replay of its
-    earlier entries would have diverged."""
+    A token that differs is replaced by the recorded one (rollback of the step, then
+    ``engine.append``), so the rest of the session is judged from the recorded history; a call
+    whose outcome or position differs ends the replay there (``Verdicts.stopped``). ``strict``:
+    raise ReplayMismatch at the first finding instead. Every entry is checked for what its kind
+    must hold before the first is applied (``check_entries``): a malformed journal is refused
+    as a whole, wherever a replay of its earlier entries would have diverged."""
     entries = list(entries)
     check_entries(entries)
     ids: dict[str, str] = {}
     requests = SnapshotRequests()
-    report = ReplayReport()
+    report = Verdicts()
+
+    def found(entry: Entry, what: str, recorded: Any, replayed: Any, portable: str, detail: str = "") -> Finding:
+        if strict:
+            raise ReplayMismatch(entry, what, recorded, replayed)
+        report.findings.append(Finding(entry.seq, entry.kind, what, recorded, replayed, portable, detail))
+        return report.findings[-1]
+
     for entry in entries:
         out = entry.outcome
         try:
@@ -50,23 +60,41 @@ def replay(entries: Iterable[Entry], engine: Any) -> ReplayReport:
             code = 0
         except FlashRTError as exc:
             produced, code = {}, int(exc.code)
-        _same(entry, "error_code", out["error_code"], code)
         report.entries += 1
+        if code != out["error_code"]:
+            report.stopped = found(entry, "error_code", out["error_code"], code, DIFFERS)
+            break
         if code:
             report.failures_reproduced += 1
             continue
-        _same(entry, "position", out["position"], engine.position)
-        for key, value in produced.items():
-            if key in out:
-                _same(entry, key, out[key], value)
+        if entry.kind == DECODE:
+            _judge_token(entry, produced, engine, tolerance, found)
+        if out["position"] != engine.position:
+            report.stopped = found(entry, "position", out["position"], engine.position, DIFFERS)
+            break
+        if entry.kind == STEP:
+            portable, detail, largest = verdicts.action(out["action"], produced["action"], tolerance)
+            report.largest_action_difference = max(report.largest_action_difference, largest)
+            if portable != SAME:
+                found(entry, "action", out["action"], produced["action"], portable, detail)
         if entry.kind in (SNAPSHOT, FORK):
             ids[out["capsule_id"]] = produced["capsule_id"]
-        if "state_digest" in out:
-            _same(entry, "state_digest", out["state_digest"], engine.state_digest())
+        if "state_digest" in out and out["state_digest"] != (digest := engine.state_digest()):
+            found(entry, "state_digest", out["state_digest"], digest, EXACT_ONLY)
         report.tokens += entry.kind == DECODE
         report.actions += entry.kind == STEP
         report.capsule_calls += entry.kind not in (PREFILL, DECODE, STEP, SPILL)
     return report
+
+
+def _judge_token(entry: Entry, produced: dict[str, Any], engine: Any, tolerance: Tolerance, found) -> None:
+    recorded, margin = entry.outcome["token"], entry.outcome.get("margin")
+    portable, detail = verdicts.token(recorded, margin, produced["token"], tolerance)
+    if portable == SAME:
+        return
+    found(entry, "token", recorded, produced["token"], portable, detail)
+    engine.rollback(steps=1)   # go on from the recorded token, as the recording did
+    engine.append(recorded, seed=entry.request.get("seed"))
 
 
 def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotRequests) -> dict[str, Any]:
@@ -138,17 +166,14 @@ def check_entries(entries: Iterable[Entry]) -> None:
         if missing:
             raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) records no {', '.join(missing)}: "
                                   "a journal entry without its outputs cannot be checked")
+        margin = entry.outcome.get("margin", 0.0)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+            raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) records margin {margin!r}, "
+                                  "not a number >= 0")
         absent = [key for key in _REQUESTED.get(entry.kind, ()) if key not in entry.request]
         if absent:
             raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) requests no {', '.join(absent)}: "
                                   "the call cannot be made again")
-
-
-def _same(entry: Entry, what: str, recorded: Any, replayed: Any) -> None:
-    if what == "capsule_id":  # fresh ids on replay; the mapping is checked by later uses
-        return
-    if recorded != replayed:
-        raise ReplayMismatch(entry, what, recorded, replayed)
 
 
 def _short(value: Any) -> str:

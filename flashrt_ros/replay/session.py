@@ -44,6 +44,7 @@ def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
             "cpu": cpu_name(),
             # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
             "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
+            "device": engine.device.type,
             # Few-row products and linear attention on the CPU backend (which versions), or on
             # torch: they round differently.
             "cpu_kernels": engine.cpu_kernels,
@@ -66,14 +67,29 @@ def cpu_name() -> str:
     return " ".join(filter(None, (fields.get("vendor_id"), fields.get("model name")))) or platform.machine()
 
 
+def platform_differences(session: dict[str, Any], engine: Engine) -> list[str]:
+    """What of the platform the session recorded differs here: each one may round the products
+    differently, so that only the portable verdict is promised (empty: the exact one is)."""
+    here = {"device": engine.device.type, "torch": torch.__version__,
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": cpu_name(),
+            "torch_threads": torch.get_num_threads(), "cpu_kernels": engine.cpu_kernels}
+    kernels = native_kernels(engine)
+    for kernel in cpu_backend.KERNELS:
+        here[kernel] = kernels.get(kernel, "")
+    recorded = {"device": "cpu", "cpu_kernels": False}
+    return [f"{key} {session.get(key, recorded.get(key, ''))!r} when recorded, {value!r} here"
+            for key, value in here.items() if session.get(key, recorded.get(key, "")) != value]
+
+
 def native_kernels(engine: Engine) -> dict[str, str]:
     """The version of each C kernel the engine runs (none off the CPU backend)."""
     return cpu_backend.versions() if engine.cpu_kernels else {}
 
 
 def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None,
-               capsule_key: bytes | None = None) -> Engine:
-    """A fresh engine like the recorded one; refuses if its fingerprints come out different.
+               capsule_key: bytes | None = None, strict: bool = True) -> Engine:
+    """A fresh engine like the recorded one; refuses if its fingerprints come out different,
+    and, when ``strict`` (for the exact verdict), if it cannot run the recorded kernels.
 
     Its disk tier is a new temporary folder, holding copies of the capsules the
     session found at start, taken from ``capsule_dir`` (default: the recorded one).
@@ -98,13 +114,13 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
                          cuda_graphs=session.get("cuda_graphs", True),
                          static_shapes=session.get("fixed_shapes", False),
                          cpu_kernels=session.get("cpu_kernels", False))
-    if engine.cpu_kernels != session.get("cpu_kernels", False):   # only True can be refused here
+    if strict and engine.cpu_kernels != session.get("cpu_kernels", False):   # only True can be refused here
         engine.close()
         raise InvalidArgument(f"the session ran on the CPU backend's C kernels (flashrt_ros.runtime.backends.cpu), "
                               f"which are not built here or cannot serve device {device}: rebuild the package with "
                               f"a C compiler (colcon build, or pip install .), or replay on a CPU")
     for kernel, version in native_kernels(engine).items():
-        if session.get(kernel, "") != version:
+        if strict and session.get(kernel, "") != version:
             engine.close()
             raise InvalidArgument(f"the session ran {kernel} kernel {session.get(kernel, '')!r}, this build has "
                                   f"{version!r}: their results may round differently")

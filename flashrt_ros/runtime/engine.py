@@ -322,8 +322,11 @@ class Engine:
         return list(self.stream(n, sync_every=0, temperature=temperature, seed=seed))
 
     def stream(self, n: int, sync_every: int = 1, *, temperature: float = 0.0,
-               seed: int | None = None) -> Iterator[int]:
+               seed: int | None = None, scored: bool = False) -> Iterator[int] | Iterator[tuple[int, float]]:
         """Yield tokens as they are committed: greedy, or drawn from softmax(logits / temperature).
+        ``scored``: yield (token, margin) pairs, the margin being the gap between the two best
+        scores of the choice in logit units (``sampling.margin``), which a replay on another
+        platform needs to tell a near-tie from a real difference.
 
         The lock is taken per token, so other callers (a snapshot) wait at most
         one decode step. ``sync_every``: read tokens back every k steps (one
@@ -345,15 +348,21 @@ class Engine:
         with self._lock:
             self._check_room(n)
             lineage = self._state.lineage
-        return self._stream(n, sync_every, lineage, temperature, seed)
+        return self._stream(n, sync_every, lineage, temperature, seed, scored)
 
     def _stream(self, n: int, sync_every: int, lineage: int, temperature: float,
-                seed: int | None) -> Iterator[int]:
+                seed: int | None, scored: bool) -> Iterator[int] | Iterator[tuple[int, float]]:
         # Each step copies its token into a device-side list under the lock, and reading
         # it back costs one sync per ``sync_every`` tokens, not per token. Another caller
         # may restore or roll back between two steps: the stream then stops rather than
         # go on from a state it did not build.
         out = torch.empty(n, dtype=torch.int64, device=self.device)
+        margins = torch.empty(n if scored else 0, dtype=torch.float64, device=self.device)
+
+        def read_back(start: int, end: int) -> list:
+            tokens = out[start:end].tolist()
+            return list(zip(tokens, margins[start:end].tolist())) if scored else tokens
+
         read = 0
         for i in range(n):
             with self._work(step=True):
@@ -366,15 +375,32 @@ class Engine:
                         self.model.temperature.fill_(temperature)
                     self._commit_token(sampled=temperature > 0)
                     out[i] = self.model.tokens[self._state.position - 1]
+                    if scored:
+                        margins[i] = self.model.margin[0]
             if replaced:   # yielded outside the lock: the consumer may take its time
-                yield from out[read:i].tolist()
+                yield from read_back(read, i)
                 raise Preempted(f"a restore or rollback (or a reset) replaced the live state after {i} of "
                                 f"{n} tokens; the stream stopped there")
             if sync_every and (i + 1) % sync_every == 0:
-                yield from out[read:i + 1].tolist()
+                yield from read_back(read, i + 1)
                 read = i + 1
         if read < n:
-            yield from out[read:n].tolist()
+            yield from read_back(read, n)
+
+    def append(self, token: int, *, seed: int | None = None) -> None:
+        """Commit ``token`` as the next decode boundary, as if decode had chosen it (the same
+        bytes as that decode): a replay on another platform continues from the recorded token
+        where its own choice, at a near-tie, came out different. ``seed`` sets the sampling
+        RNG state first, as ``stream`` does."""
+        if not is_int(token) or not 0 <= int(token) < self.config.vocab_size:
+            raise InvalidArgument(f"token must be an int in [0, {self.config.vocab_size}), got {token!r}")
+        if seed is not None:
+            inputs.check_seed(seed)
+        with self._work(step=True):
+            self._check_room(1)
+            if seed is not None:
+                self.model.rng_seed.fill_(int(seed))
+            self._commit_token(logged=int(token))
 
     def step(self, observation: Sequence[float] | torch.Tensor) -> torch.Tensor:
         """Policy mode: one observation vector in, one action vector out; commits a boundary."""

@@ -40,13 +40,22 @@ def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, index: torch.Tensor
     return -torch.log(-torch.log(uniform))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+def scores(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
            index: torch.Tensor) -> torch.Tensor:
-    """The token drawn from softmax(logits / temperature), shape [1]; logits [1, V].
+    """The float64 scores [V] whose argmax is a draw from softmax(logits / temperature); logits [1, V].
 
     The largest logit is taken off first, so every scaled score is <= 0: at a
     temperature small enough to overflow the others go to -inf and the draw is
     the greedy token, never an +inf that ties with others."""
     scaled = logits[0].double()
     scaled = (scaled - scaled.max()) / temperature.double()
-    return (scaled + gumbel_noise(seed, position, index)).argmax(-1, keepdim=True)
+    return scaled + gumbel_noise(seed, position, index)
+
+
+def margin(scores: torch.Tensor) -> torch.Tensor:
+    """The gap [1] between the two highest of ``scores`` [V]: how far the choice was from a tie.
+
+    A replay on another platform, whose scores differ in their low bits, can choose
+    another token only where this gap is about as small as those differences."""
+    top = scores.topk(2).values
+    return (top[0] - top[1]).reshape(1)

@@ -165,20 +165,21 @@ class Session:
                 engine.prefill(ids)
                 self._record(PREFILL, {"token_ids": list(ids), "prompt": prompt}, None, {})
                 self._version += 1
-            stream = engine.stream(n, sync_every=1, temperature=temperature, seed=seed)
+            stream = engine.stream(n, sync_every=1, temperature=temperature, seed=seed, scored=True)
         return self._tokens(stream, temperature, seed)
 
-    def _tokens(self, stream: Iterator[int], temperature: float, seed: int | None) -> Iterator[int]:
+    def _tokens(self, stream: Iterator[tuple[int, float]], temperature: float, seed: int | None) -> Iterator[int]:
         first = True
         while True:
             with self.engine.lock:   # the token and its entry in one hold: nothing lands between them
-                token = next(stream, None)
-                if token is None:
+                scored = next(stream, None)
+                if scored is None:
                     return
+                token, margin = scored
                 sampling: dict[str, Any] = {"temperature": temperature} if temperature > 0 else {}
                 if seed is not None and first:
                     sampling["seed"] = seed
-                self._record(DECODE, sampling, None, {"token": token})
+                self._record(DECODE, sampling, None, {"token": token, "margin": margin})
                 self._version += 1
             first = False
             yield token

@@ -173,6 +173,9 @@ class Qwen35:
         # whatever the engine writes here before replaying it.
         # float64, as the scores are: a float32 would flush a temperature under 1e-38 to 0.
         self.temperature = torch.ones(1, dtype=torch.float64, device=device)
+        # Not state either: the last decode step's margin (sampling.margin) in logit units,
+        # an output at a fixed address like the policy's action.
+        self.margin = torch.zeros(1, dtype=torch.float64, device=device)
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         self.qk_scale = torch.tensor([dk ** -1.0] * hk + [dk ** -0.5] * hk, device=device).view(2 * hk, 1)
         self.arena: StateArena | None = None
@@ -299,10 +302,16 @@ class Qwen35:
 
     def token_step(self, span: Span, sampled: bool = False) -> None:
         """Decode of one token, greedy or drawn at ``self.temperature`` with the arena's RNG
-        state, reading and writing only arena state (graph-capturable)."""
+        state, reading and writing only arena state (graph-capturable); the choice's margin
+        goes to ``self.margin``, in logit units (a sampled score's gap times the temperature)."""
         logits = self.logits()
-        token = (sampling.sample(logits, self.temperature, self.rng_seed, self.position, self.vocab_index)
-                 if sampled else logits.argmax(-1))
+        if sampled:
+            scores = sampling.scores(logits, self.temperature, self.rng_seed, self.position, self.vocab_index)
+            token = scores.argmax(-1, keepdim=True)
+            self.margin.copy_(sampling.margin(scores) * self.temperature)
+        else:
+            token = logits.argmax(-1)
+            self.margin.copy_(sampling.margin(logits[0]))
         self.commit_token(token, span)
 
     def commit_token(self, token: torch.Tensor, span: Span) -> None:

@@ -20,6 +20,9 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and row_product.available() and delta_step.available()
 
 
+KERNELS = ("row_product", "delta_step")
+
+
 def versions() -> dict[str, str]:
     """What decides the backend's bytes, per kernel, for journals."""
-    return {"row_product": row_product.version(), "delta_step": delta_step.version()}
+    return dict(zip(KERNELS, (row_product.version(), delta_step.version())))
