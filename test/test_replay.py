@@ -237,17 +237,17 @@ def test_damaged_bags_and_impossible_sessions_exit_2_with_a_reason(tmp_path, cap
     shutil.copytree(COMMITTED, garbled)
     (garbled / "metadata.yaml").write_text("{[: not yaml")
     journal = read_bag(COMMITTED)
-    journal.session["torch_threads"] = -1
+    journal.session["torch_threads"] = 0
     write_bag(tmp_path / "threads", journal)
     journal = read_bag(COMMITTED)
-    journal.session["aten_cpu_capability"] = ["AVX2"]
-    write_bag(tmp_path / "kernels", journal)
-    for bag in (truncated, garbled, tmp_path / "threads", tmp_path / "kernels"):
+    journal.session["version"] = 99
+    write_bag(tmp_path / "version", journal)
+    for bag in (truncated, garbled, tmp_path / "threads", tmp_path / "version"):
         assert replay_main([str(bag)]) == 2
         assert "cannot replay" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind, key", [("decode", "token"), ("snapshot", "state_digest"), ("step", "position")])
+@pytest.mark.parametrize("kind, key", [("decode", "token"), ("snapshot", "state_digest"), ("step", "action")])
 def test_an_entry_without_the_outputs_it_must_have_recorded_is_refused_not_called_identical(tmp_path, kind, key):
     journal = read_bag(COMMITTED)
     entry = next(e for e in journal.entries if e.kind == kind)
@@ -314,3 +314,58 @@ def test_the_committed_bag_under_other_vector_kernels_fails_exact_and_passes_por
     rows = [line.split("\t") for line in (tmp_path / "verdicts.tsv").read_text().splitlines()[1:]]
     assert len(rows) == len(read_bag(COMMITTED).entries) and all(r[3] == "pass" for r in rows)
     assert any(r[2] == "differs" for r in rows) and any(r[2] == "identical" for r in rows)
+
+
+def test_every_topic_of_a_journal_bag_has_its_real_type_for_rosbags_and_mcap():
+    """The bag as other tools see it: rosbag2's layout, an indexed MCAP whose schemas alone
+    decode every message (as Foxglove would, without this package's types)."""
+    from mcap.reader import make_reader
+    from rosbags.rosbag2 import Reader
+    from rosbags.typesys import Stores, get_typestore, get_types_from_msg
+
+    expected = {"/flashrt/journal/session": "flashrt_ros/msg/JournalSession",
+                "/flashrt/journal": "flashrt_ros/msg/JournalEntry",
+                "/flashrt/joint_states": "sensor_msgs/msg/JointState",
+                "/flashrt/ee_pose": "geometry_msgs/msg/PoseStamped",
+                "/flashrt/action": "trajectory_msgs/msg/JointTrajectoryPoint",
+                "/flashrt/events": "flashrt_ros/msg/CapsuleEvent",
+                "/flashrt/generate/goal": "flashrt_ros/action/Generate_Goal",
+                "/flashrt/generate/result": "flashrt_ros/action/Generate_Result",
+                "/flashrt/snapshot/_service_event": "flashrt_ros/srv/Snapshot_Event",
+                "/flashrt/rollback/_service_event": "flashrt_ros/srv/Rollback_Event",
+                "/flashrt/drop_capsule/_service_event": "flashrt_ros/srv/DropCapsule_Event"}
+    (path,) = COMMITTED.glob("*.mcap")
+    with path.open("rb") as f:
+        summary = make_reader(f).get_summary()
+    assert summary.chunk_indexes, "an MCAP without its index"
+    by_mcap = {c.topic: summary.schemas[c.schema_id].name for c in summary.channels.values()}
+    assert by_mcap == expected
+    assert {summary.schemas[c.schema_id].encoding for c in summary.channels.values()} == {"ros2msg"}
+
+    from importlib import import_module
+
+    from rclpy.serialization import deserialize_message
+
+    def ros_type(name: str):
+        """The generated class of a type name as a bag gives it (``pkg/srv/Foo_Event`` included)."""
+        package, kind, leaf = name.split("/")
+        if kind in ("srv", "action"):   # Foo_Event is Foo.Event, Generate_Goal Generate.Goal
+            interface, part = leaf.rsplit("_", 1)
+            return getattr(getattr(import_module(f"{package}.{kind}"), interface), part)
+        return getattr(import_module(f"{package}.{kind}"), leaf)
+
+    store = get_typestore(Stores.ROS2_JAZZY)   # the standard types only: ours come from the bag
+    with Reader(COMMITTED) as reader:
+        assert {c.topic: c.msgtype for c in reader.connections} == expected
+        for c in reader.connections:   # every schema parses on its own
+            store.register(get_types_from_msg(c.msgdef.data, c.msgtype))
+        decoded = {}
+        for c, _, raw in reader.messages():   # and ROS itself reads every message
+            decoded.setdefault(c.topic, []).append(deserialize_message(bytes(raw), ros_type(c.msgtype)))
+    assert len(decoded["/flashrt/joint_states"]) == len(decoded["/flashrt/action"]) == 12
+    events = decoded["/flashrt/snapshot/_service_event"]
+    assert [e.info.event_type for e in events] == [1, 2]   # REQUEST_RECEIVED, RESPONSE_SENT
+    assert events[1].response[0].success and events[1].response[0].capsule_id
+    assert [e.kind for e in decoded["/flashrt/journal"]][:2] == ["prefill", "decode"]
+    assert list(decoded["/flashrt/generate/result"][0].tokens) == [
+        e.outcome["token"] for e in read_bag(COMMITTED).entries if e.kind == "decode"]

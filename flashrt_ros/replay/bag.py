@@ -1,60 +1,192 @@
-"""Journal <-> rosbag2 MCAP bag, written and read with ``rosbags`` (pure Python, no ROS).
+"""Journal <-> rosbag2 MCAP bag, with real ROS types, written and read with ``rosbags`` (no ROS).
 
-Topics (std_msgs/msg/String, JSON payloads):
-  /flashrt/journal/session  one message: the engine the session ran on
-  /flashrt/journal          one message per committed operation, in commit order
-
-JSON in String keeps the bag readable by any rosbag2 tool and needs no custom
-type registration; each payload carries its sequence number, so a reader can
-name the exact message that differs.
+Topics of a journal bag:
+  /flashrt/journal/session  flashrt_ros/msg/JournalSession: the engine and platform (one message)
+  /flashrt/journal          flashrt_ros/msg/JournalEntry: one per committed operation, in commit order
+The node adds the topics it served, each with its own type (``write_message``): observations,
+actions, Generate goals and results, service events and capsule events (``ros.recorder``).
+Replay reads the two journal topics; every other tool sees every topic with its type.
 """
 from __future__ import annotations
 
-import json
+import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
-from rosbags.typesys import Stores, get_typestore
 
 from ..errors import InvalidArgument
-from ..serving.journal import KINDS, Entry, Journal
+from ..runtime.backends import cpu as cpu_backend
+from ..serving.journal import DECODE, DROP, FORK, KINDS, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, Journal
+from .types import typestore
 
 SESSION_TOPIC = "/flashrt/journal/session"
 ENTRY_TOPIC = "/flashrt/journal"
-_STRING = "std_msgs/msg/String"
-_STORE = get_typestore(Stores.ROS2_JAZZY)
+SESSION_TYPE = "flashrt_ros/msg/JournalSession"
+ENTRY_TYPE = "flashrt_ros/msg/JournalEntry"
+
+# Request fields of each kind, as the session layer records them (DECODE's are optional).
+_REQUEST = {PREFILL: ("token_ids", "prompt"), DECODE: (), STEP: ("observation",),
+            SNAPSHOT: ("name", "tier", "pin", "request_id", "requested_tier", "lease_s"),
+            FORK: ("source_id", "name", "tier", "lease_s"), RESTORE: ("capsule_id", "verify"),
+            ROLLBACK: ("steps", "to_position"), DROP: ("capsule_id",), SPILL: ("spill",)}
+_REQUEST_FIELDS = {"token_ids", "prompt", "temperature", "seed", "observation", "name", "tier", "requested_tier",
+                   "pin", "request_id", "lease_s", "source_id", "capsule_id", "verify", "steps", "to_position", "spill"}
+_OUTCOME_FIELDS = {"error_code", "position", "token", "margin", "action", "capsule_id", "state_digest"}
+_SESSION_SCALARS = ("version", "model_path", "seed", "dtype", "max_seq_len", "obs_dim", "action_dim", "rollback_depth",
+                    "spill", "disk_tier", "model_fingerprint", "layout_fingerprint", "device", "torch",
+                    "torch_threads", "aten_cpu_capability", "cpu", "cuda_graphs", "fixed_shapes", "cpu_kernels",
+                    "capsule_dir")
+
+
+def _stamp(ns: int) -> Any:
+    Time = typestore().types["builtin_interfaces/msg/Time"]
+    return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+
+def _header(ns: int) -> Any:
+    return typestore().types["std_msgs/msg/Header"](stamp=_stamp(ns), frame_id="")
+
+
+def entry_message(entry: Entry, stamp_ns: int) -> Any:
+    """The JournalEntry of ``entry``; ValueError for a field the type has no room for."""
+    req, out = entry.request, entry.outcome
+    unknown = (set(req) - _REQUEST_FIELDS) | (set(out) - _OUTCOME_FIELDS)
+    if unknown:
+        raise ValueError(f"journal entry {entry.seq} ({entry.kind}) has fields JournalEntry has not: {sorted(unknown)}")
+    fields = {
+        "header": _header(stamp_ns), "seq": entry.seq, "kind": entry.kind,
+        "token_ids": np.asarray(req.get("token_ids", []), dtype=np.int64), "prompt": req.get("prompt", ""),
+        "temperature": float(req.get("temperature", 0.0)), "has_seed": "seed" in req,
+        "seed": int(req.get("seed") or 0), "observation": np.asarray(req.get("observation", []), dtype=np.float32),
+        "name": req.get("name", ""), "tier": req.get("tier", ""), "requested_tier": req.get("requested_tier", ""),
+        "pin": bool(req.get("pin", False)), "request_id": req.get("request_id", ""),
+        "lease_s": float(req.get("lease_s", 0.0)), "source_id": req.get("source_id", ""),
+        "capsule_id": req.get("capsule_id", ""), "verify": bool(req.get("verify", False)),
+        "steps": _int(req.get("steps", 0)), "to_position": _int(req.get("to_position", 0)),
+        "spill": bool(req.get("spill", False)),
+        "error_code": int(out.get("error_code", 0)), "position": int(out.get("position", 0)),
+        "token": int(out.get("token", -1)), "margin": float(out.get("margin", math.nan)),
+        "action": np.frombuffer(bytes.fromhex(out.get("action", "")), dtype="<f4").copy(),
+        "made_capsule_id": out.get("capsule_id", ""), "state_digest": out.get("state_digest", ""),
+    }
+    for name in ("name", "tier", "requested_tier", "request_id", "source_id", "capsule_id", "prompt", "kind"):
+        if not isinstance(fields[name], str):
+            raise ValueError(f"journal entry {entry.seq} ({entry.kind}): {name} {fields[name]!r} is not a string")
+    return typestore().types[ENTRY_TYPE](**fields)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an int")
+    return value
+
+
+def entry_of(msg: Any) -> Entry:
+    """The journal entry a JournalEntry holds: the request fields of its kind, the outputs it recorded."""
+    if msg.kind not in KINDS:
+        raise InvalidArgument(f"message seq={msg.seq}: unknown kind {msg.kind!r}")
+    request: dict[str, Any] = {}
+    for name in _REQUEST[msg.kind]:
+        value = getattr(msg, name)
+        request[name] = value.tolist() if isinstance(value, np.ndarray) else value
+    if msg.kind == DECODE:
+        if msg.temperature > 0:
+            request["temperature"] = msg.temperature
+        if msg.has_seed:
+            request["seed"] = int(msg.seed)
+    outcome: dict[str, Any] = {"error_code": int(msg.error_code), "position": int(msg.position)}
+    if msg.token >= 0:
+        outcome["token"] = int(msg.token)
+    if not math.isnan(msg.margin):
+        outcome["margin"] = float(msg.margin)
+    if len(msg.action):
+        outcome["action"] = np.asarray(msg.action, dtype="<f4").tobytes().hex()
+    if msg.made_capsule_id:
+        outcome["capsule_id"] = msg.made_capsule_id
+    if msg.state_digest:
+        outcome["state_digest"] = msg.state_digest
+    return Entry(int(msg.seq), msg.kind, request, outcome)
+
+
+def session_message(session: dict[str, Any], stamp_ns: int) -> Any:
+    fields = {name: session[name] for name in _SESSION_SCALARS if name in session}
+    budgets = {tier: size for tier, size in (session.get("budgets") or {}).items() if size is not None}
+    kernels = {name: session[name] for name in cpu_backend.KERNELS if name in session}
+    preloaded = session.get("preloaded", [])
+    return typestore().types[SESSION_TYPE](
+        header=_header(stamp_ns), **fields, signed_capsules=bool(session.get("signed", False)),
+        budget_tiers=list(budgets), budget_bytes=np.asarray(list(budgets.values()), dtype=np.uint64),
+        kernel_names=list(kernels), kernel_versions=list(kernels.values()),
+        preloaded_ids=[c["id"] for c in preloaded], preloaded_digests=[c["digest"] for c in preloaded])
+
+
+def session_of_message(msg: Any) -> dict[str, Any]:
+    session = {name: getattr(msg, name) for name in _SESSION_SCALARS}
+    session["signed"] = msg.signed_capsules
+    session["budgets"] = dict(zip(msg.budget_tiers, (int(b) for b in msg.budget_bytes)))
+    session.update(zip(msg.kernel_names, msg.kernel_versions))
+    session["preloaded"] = [{"id": i, "digest": d} for i, d in zip(msg.preloaded_ids, msg.preloaded_digests)]
+    return session
 
 
 class BagWriter:
-    """Appends journal entries to a new MCAP bag as they are recorded; ``close`` finishes it."""
+    """Appends journal entries to a new MCAP bag as they are recorded, and any other message
+    handed to ``write_message``; ``close`` finishes it. ``clock``: nanoseconds for the stamps
+    (the node passes its own clock, so that use_sim_time is honoured)."""
 
-    def __init__(self, path: str | Path, session: dict[str, Any]) -> None:
+    def __init__(self, path: str | Path, session: dict[str, Any], clock: Callable[[], int] | None = None) -> None:
         self.path = Path(path)
-        self._writer = Writer(self.path, version=9, storage_plugin=StoragePlugin.MCAP)
+        self._clock = clock or (lambda: time.time_ns())
+        self._writer: Writer | None = Writer(self.path, version=9, storage_plugin=StoragePlugin.MCAP)
         self._writer.open()
         self._lock = threading.Lock()
-        self._session = self._writer.add_connection(SESSION_TOPIC, _STRING, typestore=_STORE)
-        self._entries = self._writer.add_connection(ENTRY_TOPIC, _STRING, typestore=_STORE)
-        self._write(self._session, session)
+        self._connections: dict[tuple[str, str], Any] = {}
+        now = self._clock()
+        self._write(SESSION_TOPIC, SESSION_TYPE, typestore().serialize_cdr(session_message(session, now), SESSION_TYPE),
+                    now)
 
     def __call__(self, entry: Entry) -> None:
-        self._write(self._entries, {"seq": entry.seq, "kind": entry.kind, "request": entry.request,
-                                    "outcome": entry.outcome})
+        now = self._clock()
+        self._write(ENTRY_TOPIC, ENTRY_TYPE, typestore().serialize_cdr(entry_message(entry, now), ENTRY_TYPE), now)
 
-    def _write(self, connection: Any, payload: dict[str, Any]) -> None:
-        msg = _STORE.types[_STRING](data=json.dumps(payload, separators=(",", ":")))
+    def write_message(self, topic: str, msgtype: str, cdr: bytes, stamp_ns: int | None = None) -> None:
+        """A message already serialized (CDR) on ``topic``, of ``msgtype`` as ROS names it
+        (``pkg/msg/Name``, ``pkg/srv/Name_Event``, ``pkg/action/Name_Goal``)."""
+        self._write(topic, msgtype, cdr, self._clock() if stamp_ns is None else stamp_ns)
+
+    def _write(self, topic: str, msgtype: str, cdr: bytes, stamp_ns: int) -> None:
         with self._lock:
-            if self._writer is not None:
-                self._writer.write(connection, time.time_ns(), _STORE.serialize_cdr(msg, _STRING))
+            if self._writer is None:
+                return
+            key = (topic, msgtype)
+            if key not in self._connections:
+                self._connections[key] = self._connect(topic, msgtype)
+            self._writer.write(self._connections[key], stamp_ns, cdr)
+
+    def _connect(self, topic: str, msgtype: str) -> Any:
+        store = typestore()
+        stored = _stored_name(msgtype)
+        if stored not in store.types:
+            raise ValueError(f"{msgtype} is not a known type")
+        # rosbags keeps a service's types under srv/msg/; a bag names them as ROS does.
+        text, _ = store.generate_msgdef(stored)
+        return self._writer.add_connection(topic, msgtype, msgdef=text.replace("/srv/msg/", "/srv/"),
+                                           rihs01=store.hash_rihs01(stored))
 
     def close(self) -> None:
         with self._lock:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+
+
+def _stored_name(msgtype: str) -> str:
+    package, kind, name = msgtype.split("/")
+    return f"{package}/srv/msg/{name}" if kind == "srv" else msgtype
 
 
 def write_bag(path: str | Path, journal: Journal) -> Path:
@@ -70,31 +202,32 @@ def write_bag(path: str | Path, journal: Journal) -> Path:
 def read_bag(path: str | Path) -> Journal:
     """The journal in a bag; InvalidArgument naming the message if one is malformed."""
     journal = Journal()
+    store = typestore()
     with Reader(Path(path)) as reader:
         connections = [c for c in reader.connections if c.topic in (SESSION_TOPIC, ENTRY_TOPIC)]
         if not any(c.topic == SESSION_TOPIC for c in connections):
             raise InvalidArgument(f"{path}: no {SESSION_TOPIC} message: not a flashrt journal bag")
+        for c in connections:
+            wanted = SESSION_TYPE if c.topic == SESSION_TOPIC else ENTRY_TYPE
+            if c.msgtype != wanted:
+                raise InvalidArgument(f"{path}: {c.topic} holds {c.msgtype}, not {wanted}: a journal bag of another "
+                                      "format (record it again with this version)")
         entries = []
         for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
             try:
-                payload = json.loads(_STORE.deserialize_cdr(raw, connection.msgtype).data)
-            except (ValueError, AssertionError) as exc:
-                raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not JSON: {exc}") from None
+                msg = store.deserialize_cdr(raw, connection.msgtype)
+            except Exception as exc:   # rosbags raises several kinds on bytes that are not the type
+                raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
+                                      f"{connection.msgtype}: {exc}") from None
             if connection.topic == SESSION_TOPIC:
-                journal.session = payload
-                continue
-            if not isinstance(payload, dict) or payload.get("kind") not in KINDS or not isinstance(
-                    payload.get("seq"), int) or isinstance(payload.get("seq"), bool):
-                raise InvalidArgument(f"{path}: message {index} on {ENTRY_TOPIC} is not a journal entry "
-                                      f"(kind {payload.get('kind')!r}, seq {payload.get('seq')!r})"
-                                      if isinstance(payload, dict) else
-                                      f"{path}: message {index} on {ENTRY_TOPIC} is not a journal entry")
-            entries.append(payload)
-    # In the order of their seq, not of their stamps: those come from the wall clock,
-    # which may step back during a session.
-    entries.sort(key=lambda p: p["seq"])
-    for expected, payload in enumerate(entries):
-        if payload["seq"] != expected:
-            raise InvalidArgument(f"{path}: the journal has no entry seq {expected} (next is {payload['seq']})")
-        journal.entries.append(Entry(payload["seq"], payload["kind"], payload["request"], payload["outcome"]))
+                journal.session = session_of_message(msg)
+            else:
+                entries.append(entry_of(msg))
+    # In the order of their seq, not of their stamps: those come from a clock, which may
+    # step back during a session.
+    entries.sort(key=lambda e: e.seq)
+    for expected, entry in enumerate(entries):
+        if entry.seq != expected:
+            raise InvalidArgument(f"{path}: the journal has no entry seq {expected} (next is {entry.seq})")
+    journal.entries.extend(entries)
     return journal

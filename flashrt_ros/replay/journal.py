@@ -170,6 +170,8 @@ def check_entries(entries: Iterable[Entry]) -> None:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
             raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) records margin {margin!r}, "
                                   "not a number >= 0")
+        if code == 0 and entry.kind in (RESTORE, DROP) and not entry.request.get("capsule_id"):
+            raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) succeeded without naming a capsule")
         absent = [key for key in _REQUESTED.get(entry.kind, ()) if key not in entry.request]
         if absent:
             raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) requests no {', '.join(absent)}: "

@@ -1,0 +1,74 @@
+"""This package's ROS interfaces as rosbags types, read from their .msg, .srv and .action files
+(no ROS imports): bags are written and read with the real types, as rosbag2 would store them.
+
+Each service Foo gives Foo_Request, Foo_Response and, as Jazzy's service introspection
+publishes it on ``<service>/_service_event``, Foo_Event; the Generate action gives
+Generate_Goal, Generate_Result and Generate_Feedback.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+from rosbags.typesys import Stores, get_typestore, get_types_from_msg
+from rosbags.typesys.store import Typestore
+
+PACKAGE = "flashrt_ros"
+_PARTS = {"srv": ("Request", "Response"), "action": ("Goal", "Result", "Feedback")}
+
+
+def interface_dir() -> Path:
+    """Where the interface files are: the source tree (also behind a symlink install), else
+    share/flashrt_ros of a prefix on AMENT_PREFIX_PATH (an install without the sources)."""
+    candidates = [Path(__file__).resolve().parents[2]]
+    candidates += [Path(p) / "share" / PACKAGE for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p]
+    for folder in candidates:
+        if (folder / "msg" / "JournalEntry.msg").is_file():
+            return folder
+    raise FileNotFoundError(f"no {PACKAGE} interface files (msg/JournalEntry.msg) in the source tree or under "
+                            "AMENT_PREFIX_PATH: source the install space")
+
+
+def definitions(folder: Path) -> dict[str, str]:
+    """Type name -> message definition, for every interface of the package."""
+    found: dict[str, str] = {}
+    for path in sorted((folder / "msg").glob("*.msg")):
+        found[f"{PACKAGE}/msg/{path.stem}"] = path.read_text()
+    own = {path.stem for path in (folder / "msg").glob("*.msg")}
+    for kind, parts in _PARTS.items():
+        for path in sorted((folder / kind).glob(f"*.{kind}")):
+            sections = path.read_text().split("\n---")
+            if len(sections) != len(parts):
+                raise ValueError(f"{path}: {len(sections)} sections, a .{kind} has {len(parts)}")
+            for part, text in zip(parts, sections):
+                found[f"{PACKAGE}/{kind}/{path.stem}_{part}"] = _qualified(text.lstrip("-\n"), own)
+            if kind == "srv":
+                found[f"{PACKAGE}/srv/{path.stem}_Event"] = event_definition(f"{PACKAGE}/srv/{path.stem}")
+    return found
+
+
+def _qualified(text: str, own: set[str]) -> str:
+    """A service's or action's fields of this package's message types, named in full: ROS reads
+    a bare ``CapsuleInfo`` there as flashrt_ros/msg/CapsuleInfo, rosbags would look in srv/."""
+    return re.sub(r"^(\s*)([A-Z]\w*)(?=[\[\s])", lambda m: m.group(1) + (f"{PACKAGE}/msg/{m.group(2)}"
+                  if m.group(2) in own else m.group(2)), text, flags=re.MULTILINE)
+
+
+def event_definition(service: str) -> str:
+    """The message a service's introspection publishes: its event info, then at most one request
+    and one response (which are filled depends on the event type and introspection level)."""
+    return (f"service_msgs/msg/ServiceEventInfo info\n{service}_Request[<=1] request\n"
+            f"{service}_Response[<=1] response\n")
+
+
+@functools.cache
+def typestore() -> Typestore:
+    """Jazzy's standard types plus this package's."""
+    store = get_typestore(Stores.ROS2_JAZZY)
+    types: dict = {}
+    for name, text in definitions(interface_dir()).items():
+        types.update(get_types_from_msg(text, name))
+    store.register(types)
+    return store
