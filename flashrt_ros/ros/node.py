@@ -33,7 +33,6 @@ from ..action import Generate
 from ..capsule import CapsuleInfo, signing
 from ..errors import Busy, ErrorCode, InvalidArgument, NotActive, shown
 from ..msg import CapsuleEvent, RuntimeStatus
-from ..replay.bag import BagWriter
 from ..replay.session import session_of
 from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
@@ -45,6 +44,7 @@ from .convert import info_msg, outcome
 from .generation import run_generation
 from .observation import build_observation, stamp_gap
 from .rclpy_compat import answer_invalid_transitions
+from .recorder import Recorder
 from .services import CapsuleServices
 from .telemetry import Latencies, diagnostics_msg, status_msg
 
@@ -75,7 +75,7 @@ class FlashRTNode(LifecycleNode):
         self.add_on_set_parameters_callback(self._on_set_parameters)
         params.declare_all(self)
         self.tokenizer = None
-        self._bag: BagWriter | None = None
+        self._bag: Recorder | None = None   # the journal bag, while a journal_path records one
         self._configures = 0
         self._label = "unconfigured"
         self._active = False
@@ -94,7 +94,7 @@ class FlashRTNode(LifecycleNode):
         self._capsule_services = CapsuleServices(self, (
             (Snapshot, "snapshot", self._snapshot), (Restore, "restore", self._restore), (Fork, "fork", self._fork),
             (Rollback, "rollback", self._rollback), (ListCapsules, "list_capsules", self._list),
-            (DropCapsule, "drop_capsule", self._drop)))
+            (DropCapsule, "drop_capsule", self._drop)), observe=self._record_service)
         self._generate_server = ActionServer(
             self, Generate, "~/generate", self._execute_generate, goal_callback=lambda _: GoalResponse.ACCEPT,
             cancel_callback=lambda _: CancelResponse.ACCEPT, callback_group=self._action_group)
@@ -221,7 +221,7 @@ class FlashRTNode(LifecycleNode):
         path = folder / (f"session-{time.strftime('%Y%m%d-%H%M%S')}-{self.get_name()}-{os.getpid()}"
                          f"-{self._configures}")
         journal = Journal(session=session_of(self.engine, vals["model_path"], vals["seed"]))
-        self._bag = BagWriter(path, journal.session)
+        self._bag = Recorder(path, journal.session, self)
         journal.listeners.append(self._bag)
         self.session.journal = journal
         self.get_logger().info(f"journal: recording into {path}")
@@ -375,6 +375,12 @@ class FlashRTNode(LifecycleNode):
 
     # ---- generate action -----------------------------------------------------------------------
     def _execute_generate(self, goal_handle) -> Generate.Result:
+        self._record("~/generate/goal", goal_handle.request)
+        result = self._generate(goal_handle)
+        self._record("~/generate/result", result)
+        return result
+
+    def _generate(self, goal_handle) -> Generate.Result:
         result = Generate.Result()
         if not self._generation.acquire(blocking=False):
             return self._finish_goal(goal_handle, result, Busy("another generate goal is running; one at a time"))
@@ -417,9 +423,11 @@ class FlashRTNode(LifecycleNode):
 
     # ---- policy topics ------------------------------------------------------------------------------
     def _on_pose(self, msg: PoseStamped) -> None:
+        self._record("~/ee_pose", msg)
         self._latest_pose = msg
 
     def _on_joint_state(self, msg: JointState) -> None:
+        self._record("~/joint_states", msg)
         session = self.session
         if not self._active or session is None or not session.engine.config.policy:
             return
@@ -453,11 +461,25 @@ class FlashRTNode(LifecycleNode):
         self._report_journal(session)
         publisher = self._action_pub
         if publisher is not None:
-            publisher.publish(JointTrajectoryPoint(positions=action.double().tolist()))
+            command = JointTrajectoryPoint(positions=action.double().tolist())
+            publisher.publish(command)
+            self._record("~/action", command)
 
     def _reject(self, why: str) -> None:
         self._counters["rejected_observations"] += 1
         self.get_logger().warning(f"observation dropped: {why}", throttle_duration_sec=5.0)
+
+    # ---- the journal bag ---------------------------------------------------------------------------
+    def _record(self, topic: str, msg: Any) -> None:
+        """``msg`` into the journal bag, if one records, on ``topic`` as this node resolves it."""
+        bag = self._bag
+        if bag is not None:
+            bag.message(self.resolve_topic_name(topic), msg)
+
+    def _record_service(self, srv: Any, name: str, request: Any, response: Any) -> None:
+        bag = self._bag
+        if bag is not None:
+            bag.service_event(srv, name, request, response)
 
     # ---- events and telemetry -----------------------------------------------------------------------
     def _on_store_event(self, kind: str, info: CapsuleInfo) -> None:
@@ -473,6 +495,7 @@ class FlashRTNode(LifecycleNode):
                            position=engine.position if engine is not None else 0, message=messages[kind])
         msg.header.stamp = self.get_clock().now().to_msg()
         self._events.publish(msg)
+        self._record("~/events", msg)
 
     def _publish_event(self, kind: str, info: CapsuleInfo | None, response: Any) -> None:
         try:
@@ -481,6 +504,7 @@ class FlashRTNode(LifecycleNode):
                                error_code=response.error_code, message=response.message)
             msg.header.stamp = self.get_clock().now().to_msg()
             self._events.publish(msg)
+            self._record("~/events", msg)
         except Exception:  # the answer is what matters: an event that cannot go out must not cost it
             if not self.context.ok():   # a shutdown landed first: nobody is left to hear it
                 return

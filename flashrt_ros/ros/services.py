@@ -12,7 +12,7 @@ lifecycle node's methods, so refusals and the engine lock work as before.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
@@ -21,9 +21,11 @@ from .spinning import spin_until_shutdown
 
 
 class CapsuleServices:
-    """``services``: (type, name under the owner, handler) triples; ``stop()`` ends them."""
+    """``services``: (type, name under the owner, handler) triples; ``stop()`` ends them.
+    ``observe(type, resolved name, request, response)``: told of every call once it is answered."""
 
-    def __init__(self, owner: Node, services: Iterable[tuple[Any, str, Callable[[Any, Any], Any]]]) -> None:
+    def __init__(self, owner: Node, services: Iterable[tuple[Any, str, Callable[[Any, Any], Any]]],
+                 observe: Optional[Callable[[Any, str, Any, Any], None]] = None) -> None:
         name = f"{owner.get_name()}_capsule_services"
         # Launch renames a node with process-wide __node/__ns remaps, which would give
         # this helper the owner's name too; its own remaps come first in rcl's lookup.
@@ -37,19 +39,24 @@ class CapsuleServices:
         for srv, name, handler in services:
             # Named as the owner would name them, its remaps applied: a rule for ``~/restore``
             # means the owner's ``~``, which the helper's own expansion would not match.
-            self.node.create_service(srv, owner.resolve_service_name(f"~/{name}"), self._counted(handler))
+            resolved = owner.resolve_service_name(f"~/{name}")
+            self.node.create_service(srv, resolved, self._counted(handler, srv, resolved, observe))
         self.failures = 0   # requests whose handler or answer raised (each is logged)
         self._executor = SingleThreadedExecutor(context=owner.context)
         self._executor.add_node(self.node)
         self._thread = threading.Thread(target=self._spin, name="capsule-services", daemon=True)
         self._thread.start()
 
-    def _counted(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def _counted(self, handler: Callable[[Any, Any], Any], srv: Any, name: str,
+                 observe: Optional[Callable[[Any, str, Any, Any], None]]) -> Callable[[Any, Any], Any]:
         def serve(request: Any, response: Any) -> Any:
             with self._idle:
                 self._running += 1
             try:
-                return handler(request, response)
+                answer = handler(request, response)
+                if observe is not None:
+                    observe(srv, name, request, answer)
+                return answer
             finally:
                 with self._idle:
                     self._running -= 1
