@@ -36,7 +36,7 @@ def _pose(xyz=(0.4, 0.0, 0.3), wxyz=(1.0, 0.0, 0.0, 0.0)):
 
 
 def test_observation_layout_uses_names_and_a_continuous_rotation():
-    from flashrt_ros.ros.observation import build_observation, observation_size
+    from flashrt_ros.serving.observation import build_observation, observation_size
 
     # Joints arrive in another order than configured; they are picked by name.
     msg = _joint_state([7, 6, 5, 4, 3, 2, 1], names=list(reversed(JOINTS)), velocities=[0.7] * 7)
@@ -50,7 +50,7 @@ def test_observation_layout_uses_names_and_a_continuous_rotation():
 
 
 def test_a_joint_named_twice_counts_only_if_the_policy_reads_it():
-    from flashrt_ros.ros.observation import build_observation
+    from flashrt_ros.serving.observation import build_observation
 
     merged = _joint_state([0.1] * 7 + [0.0, 0.5], names=JOINTS + ["gripper", "gripper"])   # two drivers' merge
     assert build_observation(JOINTS, merged, _pose())[:7].tolist() == pytest.approx([0.1] * 7)
@@ -65,7 +65,7 @@ def test_a_joint_named_twice_counts_only_if_the_policy_reads_it():
 ])
 def test_bad_observations_are_refused_with_a_reason(bad, why):
     from flashrt_ros.errors import InvalidArgument
-    from flashrt_ros.ros.observation import build_observation
+    from flashrt_ros.serving.observation import build_observation
 
     joint_state, pose = bad()
     with pytest.raises(InvalidArgument, match=why):
@@ -75,7 +75,7 @@ def test_bad_observations_are_refused_with_a_reason(bad, why):
 def test_policy_steps_publish_actions_equal_to_the_engine(ros_context):
     from trajectory_msgs.msg import JointTrajectoryPoint
 
-    from flashrt_ros.ros.observation import build_observation
+    from flashrt_ros.serving.observation import build_observation
     from flashrt_ros.runtime import Engine, ModelConfig
 
     from rclpy.qos import DurabilityPolicy, QoSProfile
@@ -348,7 +348,7 @@ def test_observations_during_a_goal_are_dropped_not_interleaved_with_its_tokens(
 
 
 def test_the_stamp_gap_is_none_for_unstamped_messages():
-    from flashrt_ros.ros.observation import stamp_gap
+    from flashrt_ros.serving.observation import stamp_gap
 
     joints, pose = _joint_state([0.0] * 7), _pose()
     assert stamp_gap(joints, pose) is None

@@ -21,7 +21,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from ..errors import InvalidArgument
 from ..runtime.backends import cpu as cpu_backend
 from ..serving.journal import DECODE, DROP, FORK, KINDS, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, Journal
-from .types import typestore
+from .types import deserialize, stored_name, typestore
 
 SESSION_TOPIC = "/flashrt/journal/session"
 ENTRY_TOPIC = "/flashrt/journal"
@@ -39,7 +39,8 @@ _OUTCOME_FIELDS = {"error_code", "position", "token", "margin", "action", "capsu
 _SESSION_SCALARS = ("version", "model_path", "seed", "dtype", "max_seq_len", "obs_dim", "action_dim", "rollback_depth",
                     "spill", "disk_tier", "model_fingerprint", "layout_fingerprint", "device", "torch",
                     "torch_threads", "aten_cpu_capability", "cpu", "cuda_graphs", "fixed_shapes", "cpu_kernels",
-                    "capsule_dir")
+                    "capsule_dir", "node", "default_tier", "joint_states_topic", "ee_pose_topic", "action_topic",
+                    "max_pose_age")
 
 
 def _stamp(ns: int) -> Any:
@@ -121,7 +122,8 @@ def session_message(session: dict[str, Any], stamp_ns: int) -> Any:
         header=_header(stamp_ns), **fields, signed_capsules=bool(session.get("signed", False)),
         budget_tiers=list(budgets), budget_bytes=np.asarray(list(budgets.values()), dtype=np.uint64),
         kernel_names=list(kernels), kernel_versions=list(kernels.values()),
-        preloaded_ids=[c["id"] for c in preloaded], preloaded_digests=[c["digest"] for c in preloaded])
+        preloaded_ids=[c["id"] for c in preloaded], preloaded_digests=[c["digest"] for c in preloaded],
+        joint_names=list(session.get("joint_names", [])))
 
 
 def session_of_message(msg: Any) -> dict[str, Any]:
@@ -130,24 +132,28 @@ def session_of_message(msg: Any) -> dict[str, Any]:
     session["budgets"] = dict(zip(msg.budget_tiers, (int(b) for b in msg.budget_bytes)))
     session.update(zip(msg.kernel_names, msg.kernel_versions))
     session["preloaded"] = [{"id": i, "digest": d} for i, d in zip(msg.preloaded_ids, msg.preloaded_digests)]
+    session["joint_names"] = list(msg.joint_names)
     return session
 
 
 class BagWriter:
     """Appends journal entries to a new MCAP bag as they are recorded, and any other message
     handed to ``write_message``; ``close`` finishes it. ``clock``: nanoseconds for the stamps
-    (the node passes its own clock, so that use_sim_time is honoured)."""
+    (the node passes its own clock, so that use_sim_time is honoured). ``session`` None: a bag
+    of other messages only, with no journal (``write_message``)."""
 
-    def __init__(self, path: str | Path, session: dict[str, Any], clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, path: str | Path, session: dict[str, Any] | None,
+                 clock: Callable[[], int] | None = None) -> None:
         self.path = Path(path)
         self._clock = clock or (lambda: time.time_ns())
         self._writer: Writer | None = Writer(self.path, version=9, storage_plugin=StoragePlugin.MCAP)
         self._writer.open()
         self._lock = threading.Lock()
         self._connections: dict[tuple[str, str], Any] = {}
-        now = self._clock()
-        self._write(SESSION_TOPIC, SESSION_TYPE, typestore().serialize_cdr(session_message(session, now), SESSION_TYPE),
-                    now)
+        if session is not None:
+            now = self._clock()
+            self._write(SESSION_TOPIC, SESSION_TYPE,
+                        typestore().serialize_cdr(session_message(session, now), SESSION_TYPE), now)
 
     def __call__(self, entry: Entry) -> None:
         now = self._clock()
@@ -169,7 +175,7 @@ class BagWriter:
 
     def _connect(self, topic: str, msgtype: str) -> Any:
         store = typestore()
-        stored = _stored_name(msgtype)
+        stored = stored_name(msgtype)
         if stored not in store.types:
             raise ValueError(f"{msgtype} is not a known type")
         # rosbags keeps a service's types under srv/msg/; a bag names them as ROS does.
@@ -184,11 +190,6 @@ class BagWriter:
                 self._writer = None
 
 
-def _stored_name(msgtype: str) -> str:
-    package, kind, name = msgtype.split("/")
-    return f"{package}/srv/msg/{name}" if kind == "srv" else msgtype
-
-
 def write_bag(path: str | Path, journal: Journal) -> Path:
     writer = BagWriter(path, journal.session)
     try:
@@ -199,10 +200,15 @@ def write_bag(path: str | Path, journal: Journal) -> Path:
     return Path(path)
 
 
+def is_journal_bag(path: str | Path) -> bool:
+    """Whether a bag holds this package's journal (else it may be a recording of the node's topics)."""
+    with Reader(Path(path)) as reader:
+        return any(c.topic == ENTRY_TOPIC for c in reader.connections)
+
+
 def read_bag(path: str | Path) -> Journal:
     """The journal in a bag; InvalidArgument naming the message if one is malformed."""
     journal = Journal()
-    store = typestore()
     with Reader(Path(path)) as reader:
         connections = [c for c in reader.connections if c.topic in (SESSION_TOPIC, ENTRY_TOPIC)]
         if not any(c.topic == SESSION_TOPIC for c in connections):
@@ -215,7 +221,7 @@ def read_bag(path: str | Path) -> Journal:
         entries = []
         for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
             try:
-                msg = store.deserialize_cdr(raw, connection.msgtype)
+                msg = deserialize(raw, connection.msgtype)
             except Exception as exc:   # rosbags raises several kinds on bytes that are not the type
                 raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
                                       f"{connection.msgtype}: {exc}") from None

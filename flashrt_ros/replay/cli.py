@@ -10,6 +10,12 @@ Two verdicts, both reported per message that differs:
 --verdict auto (the default) applies exact on the recording's platform (the same device,
 torch, CPU kernels, CPU and thread count) and portable elsewhere.
 
+BAG is a journal bag (the node's journal_path), or a recording of the node's topics and
+service events as `ros2 bag record` writes it (see replay.recording: the node must serve with
+service_introspection=contents, and the recording needs the node's ~/session topic, or
+--session naming a bag that holds it). A recording holds no state digests: its verdicts judge
+actions, outcomes, error codes and the positions the services answered.
+
 Exit status: 0 when the applied verdict passes; 1 when it fails, naming each message; 2 when
 the bag cannot be read as a flashrt journal or its engine cannot be rebuilt.
 
@@ -29,10 +35,12 @@ from pathlib import Path
 
 import torch
 
-from .bag import ENTRY_TOPIC, read_bag
+from .bag import ENTRY_TOPIC, is_journal_bag, read_bag
 from ..capsule import signing
 from ..errors import InvalidArgument
-from .journal import check_entries, judge
+from ..serving.journal import Journal
+from .journal import JOURNAL_OUTPUTS, check_entries, judge
+from .recording import RECORDED_OUTPUTS, find_session, read_recording
 from .session import cpu_name, engine_for, platform_differences
 from .verdicts import DIFFERS, Tolerance, Verdicts
 
@@ -48,9 +56,9 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     args = _parser().parse_args(argv)
     try:
         tolerance = Tolerance(args.margin_tol, args.action_atol, args.action_rtol)
-        journal = read_bag(args.bag)
+        journal, outputs, source = _read(args.bag, args.session)
         try:
-            check_entries(journal.entries)
+            check_entries(journal.entries, outputs)
         except InvalidArgument as exc:
             raise InvalidArgument(f"malformed entry: {exc}") from None
         capability = journal.session.get("aten_cpu_capability")
@@ -71,11 +79,11 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     session = journal.session
     differences = platform_differences(session, engine)
     verdict = args.verdict if args.verdict != "auto" else ("portable" if differences else "exact")
-    print(f"replaying {len(journal.entries)} operations from {args.bag} "
+    print(f"replaying {len(journal.entries)} operations from {args.bag}, {source} "
           f"({session['model_path'] or 'embedded default'}, model {session['model_fingerprint'][:12]})")
     print("platform: the recording's" if not differences else "platform differs: " + "; ".join(differences))
     try:
-        report = judge(journal.entries, engine, tolerance)
+        report = judge(journal.entries, engine, tolerance, outputs=outputs)
         digest = engine.state_digest()
     except (KeyError, TypeError, ValueError, AttributeError) as exc:   # an entry missing what its kind needs
         print(f"flashrt-replay: cannot replay {args.bag}: malformed entry ({type(exc).__name__}: {exc})",
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
         engine.close()
     if args.report:
         _write_report(Path(args.report), journal.entries, report)
-    _print_verdicts(report, tolerance, verdict, session)
+    _print_verdicts(report, tolerance, verdict, session, ENTRY_TOPIC if outputs is JOURNAL_OUTPUTS else "operation")
     if report.stopped is None:
         print(f"final state digest {digest}")
     return 0 if (report.exact if verdict == "exact" else report.portable) else 1
@@ -97,7 +105,10 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashrt-replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bag", help="rosbag2 folder (MCAP) written by flashrt_node's journal_path")
+    parser.add_argument("bag", help="rosbag2 folder: a journal bag written by flashrt_node's journal_path, or a "
+                        "recording (ros2 bag record) of its topics and service events")
+    parser.add_argument("--session", help="a bag holding the node's session record (flashrt_ros/msg/JournalSession, "
+                        "which the node publishes on ~/session), for a recording that lacks it")
     parser.add_argument("--device", default="cpu", help="torch device of the fresh engine (default cpu)")
     parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
                         "(default: the capsule_dir it recorded); they are copied, never changed")
@@ -116,12 +127,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: dict) -> None:
+def _read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str]:
+    """The journal of a journal bag, or of a rosbag2 recording of the node's topics (with the
+    session record from ``session_bag`` if the recording lacks one), what its entries hold, and
+    what the bag is, in words."""
+    if is_journal_bag(bag):
+        return read_bag(bag), JOURNAL_OUTPUTS, "a journal bag"
+    session = None
+    if session_bag:
+        session = find_session(session_bag)
+        if session is None:
+            raise InvalidArgument(f"--session {session_bag}: no flashrt_ros/msg/JournalSession in it")
+    recording = read_recording(bag, session)
+    words = (f"a rosbag2 recording of node {recording.journal.session['node']} ({recording.dropped_observations} "
+             f"observations with no action and {recording.skipped_calls} calls that reached no engine left out"
+             + "".join(f"; {note}" for note in recording.notes) + "; no state digests recorded)")
+    return recording.journal, RECORDED_OUTPUTS, words
+
+
+def _print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: dict, where: str) -> None:
     messages = report.messages()
     out = sys.stdout if (report.exact if verdict == "exact" else report.portable) else sys.stderr
     for finding in report.findings[:_SHOWN]:
         print(("MISMATCH " if verdict == "exact" or finding.portable == DIFFERS else "") +
-              f"in {ENTRY_TOPIC}, message {finding.line()}", file=out)
+              f"in {where}, message {finding.line()}", file=out)
     if len(report.findings) > _SHOWN:
         print(f"... and {len(report.findings) - _SHOWN} more (--report FILE lists every message)", file=out)
     if report.stopped is not None:

@@ -7,7 +7,7 @@ maps recorded ids to the ones it creates. ROS-free: it needs only an engine.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ..errors import FlashRTError, InvalidArgument
 from ..serving.journal import DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, action_bytes
@@ -32,7 +32,7 @@ def replay(entries: Iterable[Entry], engine: Any) -> Verdicts:
 
 
 def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Tolerance(),
-          strict: bool = False) -> Verdicts:
+          strict: bool = False, outputs: Mapping[str, tuple[str, ...]] | None = None) -> Verdicts:
     """Apply ``entries`` to ``engine`` and judge every output both ways (see ``verdicts``).
 
     A token that differs is replaced by the recorded one (rollback of the step, then
@@ -40,9 +40,11 @@ def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Toleranc
     whose outcome or position differs ends the replay there (``Verdicts.stopped``). ``strict``:
     raise ReplayMismatch at the first finding instead. Every entry is checked for what its kind
     must hold before the first is applied (``check_entries``): a malformed journal is refused
-    as a whole, wherever a replay of its earlier entries would have diverged."""
+    as a whole, wherever a replay of its earlier entries would have diverged. ``outputs``: what
+    each kind must have recorded (default: a journal's, ``JOURNAL_OUTPUTS``); an output an
+    entry does not hold is not judged."""
     entries = list(entries)
-    check_entries(entries)
+    check_entries(entries, outputs)
     ids: dict[str, str] = {}
     requests = SnapshotRequests()
     report = Verdicts()
@@ -69,7 +71,7 @@ def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Toleranc
             continue
         if entry.kind == DECODE:
             _judge_token(entry, produced, engine, tolerance, found)
-        if out["position"] != engine.position:
+        if "position" in out and out["position"] != engine.position:
             report.stopped = found(entry, "position", out["position"], engine.position, DIFFERS)
             break
         if entry.kind == STEP:
@@ -141,10 +143,12 @@ def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotReq
     return {}
 
 
-# What a successful entry of each kind must have recorded for its replay to be checked.
-_RECORDED = {DECODE: ("token",), STEP: ("action",), SNAPSHOT: ("capsule_id", "state_digest"),
-             FORK: ("capsule_id", "state_digest"), RESTORE: ("state_digest",), ROLLBACK: ("state_digest",),
-             DROP: ("state_digest",)}
+# What an entry of each kind must have recorded for its replay to be checked: "*" for every
+# entry, the kind's own for a successful one.
+JOURNAL_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "*": ("error_code", "position"), DECODE: ("token",), STEP: ("action",), SNAPSHOT: ("capsule_id", "state_digest"),
+    FORK: ("capsule_id", "state_digest"), RESTORE: ("state_digest",), ROLLBACK: ("state_digest",),
+    DROP: ("state_digest",)}
 
 
 # What the request of each kind must hold for it to be applied at all.
@@ -152,16 +156,18 @@ _REQUESTED = {PREFILL: ("token_ids",), STEP: ("observation",), SNAPSHOT: ("tier"
               RESTORE: ("capsule_id",), DROP: ("capsule_id",)}
 
 
-def check_entries(entries: Iterable[Entry]) -> None:
+def check_entries(entries: Iterable[Entry], outputs: Mapping[str, tuple[str, ...]] | None = None) -> None:
     """InvalidArgument naming the first entry that lacks what its kind needs: a request field
     its call cannot do without, or an output it must have recorded (a journal missing one
     would replay as identical without checking it). Judged from the journal alone, before
-    anything is replayed, so the verdict does not depend on the machine that replays it."""
+    anything is replayed, so the verdict does not depend on the machine that replays it.
+    ``outputs``: as for ``judge``."""
+    outputs = JOURNAL_OUTPUTS if outputs is None else outputs
     for entry in entries:
         if not isinstance(entry.request, dict) or not isinstance(entry.outcome, dict):
             raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}): request and outcome must be maps")
         code = entry.outcome.get("error_code")
-        wanted = ("error_code", "position") + (_RECORDED.get(entry.kind, ()) if code == 0 else ())
+        wanted = outputs["*"] + (outputs.get(entry.kind, ()) if code == 0 else ())
         missing = [key for key in wanted if key not in entry.outcome]
         if missing:
             raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) records no {', '.join(missing)}: "

@@ -10,8 +10,11 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 from pathlib import Path
+from typing import Any
 
+from rosbags.serde import SerdeError
 from rosbags.typesys import Stores, get_typestore, get_types_from_msg
 from rosbags.typesys.store import Typestore
 
@@ -72,3 +75,28 @@ def typestore() -> Typestore:
         types.update(get_types_from_msg(text, name))
     store.register(types)
     return store
+
+
+def stored_name(msgtype: str) -> str:
+    """The name rosbags keeps a type under: a service's types under ``pkg/srv/msg/``, not ROS's ``pkg/srv/``."""
+    package, kind, name = msgtype.split("/")
+    return f"{package}/srv/msg/{name}" if kind == "srv" else msgtype
+
+
+def deserialize(raw: bytes | memoryview, typename: str) -> Any:
+    """A CDR message of ``typename``. rosbags refuses more than 3 bytes after the last field;
+    rmw_fastrtps pads a message to 8-byte alignment (a JointState whose last sequence is empty
+    ends with 4), so up to 7 are taken as padding here. SerdeError for anything else."""
+    store = typestore()
+    data = bytes(raw)
+    if len(data) < 4 or data[:2] not in (b"\x00\x00", b"\x00\x01"):
+        raise SerdeError(f"invalid or unsupported CDR encapsulation for {typename!r}")
+    msgdef = store.get_msgdef(stored_name(typename))
+    func = msgdef.deserialize_cdr_le if data[1] else msgdef.deserialize_cdr_be
+    try:
+        message, pos = func(data[4:], 0, msgdef.cls, store)
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise SerdeError(f"could not deserialize {typename!r}: {exc}") from exc
+    if len(data) - 4 - pos > 7:
+        raise SerdeError(f"CDR message size mismatch for {typename!r}: {len(data) - 4 - pos} bytes after its fields")
+    return message

@@ -1,11 +1,17 @@
 """Between engine values and ROS messages: capsule metadata, errors, stamps."""
 from __future__ import annotations
 
+from typing import Any
+
 from builtin_interfaces.msg import Time
+from rclpy.serialization import deserialize_message
 
 from ..capsule import CapsuleInfo
 from ..errors import ErrorCode, FlashRTError
 from ..msg import CapsuleInfo as CapsuleInfoMsg
+from ..msg import JournalSession
+from ..replay.bag import SESSION_TYPE, session_message
+from ..replay.types import typestore
 
 
 def stamp(seconds: float) -> Time:
@@ -31,3 +37,9 @@ def outcome(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, FlashRTError):
         return int(exc.code), str(exc) or type(exc).__name__
     return int(ErrorCode.INTERNAL), f"internal error: {type(exc).__name__}: {exc}"
+
+
+def session_msg(session: dict[str, Any], stamp_ns: int = 0) -> JournalSession:
+    """The JournalSession of a session record, built once (``replay.bag``) for bags and topics alike."""
+    return deserialize_message(bytes(typestore().serialize_cdr(session_message(session, stamp_ns), SESSION_TYPE)),
+                               JournalSession)

@@ -32,17 +32,17 @@ from trajectory_msgs.msg import JointTrajectoryPoint
 from ..action import Generate
 from ..capsule import CapsuleInfo, signing
 from ..errors import Busy, ErrorCode, InvalidArgument, NotActive, shown
-from ..msg import CapsuleEvent, RuntimeStatus
+from ..msg import CapsuleEvent, JournalSession, RuntimeStatus
 from ..replay.session import session_of
 from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
 from ..serving import Journal, Session
 from ..serving import journal as J
+from ..serving.observation import build_observation, stamp_gap
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
-from .convert import info_msg, outcome
+from .convert import info_msg, outcome, session_msg
 from .generation import run_generation
-from .observation import build_observation, stamp_gap
 from .rclpy_compat import answer_invalid_transitions
 from .recorder import Recorder
 from .services import CapsuleServices
@@ -102,6 +102,7 @@ class FlashRTNode(LifecycleNode):
         self._action_pub = None
         self._events = self.create_publisher(CapsuleEvent, "~/events", _EVENTS_QOS)
         self._status_pub = self.create_publisher(RuntimeStatus, "~/status", _STATUS_QOS)
+        self._session_pub = self.create_publisher(JournalSession, "~/session", _STATUS_QOS)
         self._diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(_DIRTY_POLL_S, self._poll, callback_group=self._timer_group)
         self._restart_status_timer(self.get_parameter("status_rate").value)
@@ -146,6 +147,11 @@ class FlashRTNode(LifecycleNode):
                 self._free()
                 return TransitionCallbackReturn.FAILURE
         self._open_policy_io()
+        self._capsule_services.introspect(self.get_clock(), vals["service_introspection"])
+        try:
+            self._session_pub.publish(session_msg(self._served(vals), self.get_clock().now().nanoseconds))
+        except Exception as exc:   # the record is for replay; serving does not depend on it
+            self.get_logger().error(f"~/session not published: {outcome(exc)[1]}")
         e = self.engine
         self.get_logger().info(
             f"configured: {'embedded default' if not vals['model_path'] else vals['model_path']} on {e.device} "
@@ -220,11 +226,20 @@ class FlashRTNode(LifecycleNode):
         # The node name too: two nodes of one process may share journal_path and start in the same second.
         path = folder / (f"session-{time.strftime('%Y%m%d-%H%M%S')}-{self.get_name()}-{os.getpid()}"
                          f"-{self._configures}")
-        journal = Journal(session=session_of(self.engine, vals["model_path"], vals["seed"]))
+        journal = Journal(session=self._served(vals))
         self._bag = Recorder(path, journal.session, self)
         journal.listeners.append(self._bag)
         self.session.journal = journal
         self.get_logger().info(f"journal: recording into {path}")
+
+    def _served(self, vals: dict[str, Any]) -> dict[str, Any]:
+        """The engine's session record (``replay.session``) and how this node serves it: what
+        replay of a bag of its topics and service events needs (see msg/JournalSession.msg)."""
+        return {**session_of(self.engine, vals["model_path"], vals["seed"]),
+                "node": self.get_fully_qualified_name(), "default_tier": vals["default_tier"],
+                "joint_names": list(vals["policy.joint_names"]), "max_pose_age": float(vals["policy.max_pose_age"]),
+                "joint_states_topic": self.resolve_topic_name("~/joint_states"),
+                "ee_pose_topic": self.resolve_topic_name("~/ee_pose"), "action_topic": self.resolve_topic_name("~/action")}
 
     def _free(self) -> None:
         self._close_policy_io()

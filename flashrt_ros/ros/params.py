@@ -17,6 +17,7 @@ from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescr
 from ..capsule.info import TIERS
 
 DTYPES = ("float32", "bfloat16", "float16")
+INTROSPECTION = ("off", "metadata", "contents")
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,2})?")
 _MiB = 1 << 20
 
@@ -81,6 +82,10 @@ PARAMS = (
           read_only=False, lo=0.0, hi=100.0),
     Param("journal_path", "", "folder for journal bags: each configure records its committed operations "
           "into a new MCAP bag there (replay with flashrt-replay); empty = off"),
+    Param("service_introspection", "off", "service introspection of the capsule services, as Jazzy names its "
+          "levels: events on <service>/_service_event with the request and response (contents), without them "
+          "(metadata), or none (off); a bag of them with contents replays (flashrt-replay)",
+          choices=("off", "metadata", "contents")),
     Param("autostart", False, "configure and activate at start"),
 )
 
@@ -128,6 +133,8 @@ def _reason(name: str, value: Any) -> str:
         return f"{value!r} is not a torch device of the form cpu, cuda or cuda:N"
     if name == "dtype" and value not in DTYPES:
         return f"{value!r} is not one of {', '.join(DTYPES)}"
+    if name == "service_introspection" and value not in INTROSPECTION:
+        return f"{value!r} is not one of {', '.join(INTROSPECTION)}"
     if name == "default_tier" and value not in TIERS:
         return f"{value!r} is not one of {', '.join(TIERS)}"
     if name == "status_rate" and 0.0 < value < MIN_STATUS_RATE:

@@ -14,8 +14,11 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable, Optional
 
+from rclpy.clock import Clock
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.qos import qos_profile_services_default
+from rclpy.service_introspection import ServiceIntrospectionState
 
 from .spinning import spin_until_shutdown
 
@@ -36,11 +39,13 @@ class CapsuleServices:
         # not (in Jazzy and Kilted it returns at once, whatever its timeout).
         self._running = 0
         self._idle = threading.Condition()
+        self._services = []
         for srv, name, handler in services:
             # Named as the owner would name them, its remaps applied: a rule for ``~/restore``
             # means the owner's ``~``, which the helper's own expansion would not match.
             resolved = owner.resolve_service_name(f"~/{name}")
-            self.node.create_service(srv, resolved, self._counted(handler, srv, resolved, observe))
+            self._services.append(self.node.create_service(srv, resolved,
+                                                           self._counted(handler, srv, resolved, observe)))
         self.failures = 0   # requests whose handler or answer raised (each is logged)
         self._executor = SingleThreadedExecutor(context=owner.context)
         self._executor.add_node(self.node)
@@ -64,6 +69,14 @@ class CapsuleServices:
                         self._idle.notify_all()
 
         return serve
+
+    def introspect(self, clock: Clock, level: str) -> None:
+        """Service introspection of every service at ``level`` (off, metadata or contents), its
+        events stamped by ``clock`` (the owner's: sim time under use_sim_time)."""
+        state = {"off": ServiceIntrospectionState.OFF, "metadata": ServiceIntrospectionState.METADATA,
+                 "contents": ServiceIntrospectionState.CONTENTS}[level]
+        for service in self._services:
+            service.configure_introspection(clock, qos_profile_services_default, state)
 
     def _spin(self) -> None:
         spin_until_shutdown(self._executor, self.node.context, self._failed)

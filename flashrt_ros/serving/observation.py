@@ -44,7 +44,7 @@ def build_observation(joint_names: Sequence[str], joint_state, pose_stamped) -> 
     if len(joint_state.position) != len(joint_state.name):
         raise InvalidArgument(f"joint_states has {len(joint_state.name)} names but "
                               f"{len(joint_state.position)} positions")
-    if joint_state.velocity and len(joint_state.velocity) != len(joint_state.name):
+    if len(joint_state.velocity) and len(joint_state.velocity) != len(joint_state.name):
         raise InvalidArgument(f"joint_states has {len(joint_state.name)} names but "
                               f"{len(joint_state.velocity)} velocities")
     rows = [index[n] for n in joint_names]

@@ -1,0 +1,195 @@
+"""A journal rebuilt from a bag that rosbag2 recorded: the node's observation and action topics
+and its capsule services' introspection events (at the contents level), as ``ros2 bag record``
+writes them, with no journal of this package in it (no ROS imports: read with ``rosbags``).
+
+The node's session record (flashrt_ros/msg/JournalSession, which it publishes on ``~/session``)
+says what the bag cannot: the model and platform, the node's name and topics, its joint order
+and its default tier. It comes from the bag itself, or from another bag that holds one.
+
+Operations are put in the order the recorder received the node's outputs (an action, a
+service's RESPONSE_SENT event), which is their commit order when one recorder took them all:
+  - an observation is the last joint state before an action, paired with the pose before it,
+    as the node pairs them; a joint state with no action after it (before the next one) was
+    dropped by the node, or came while it was not active, and is not an operation;
+  - a capsule call is its REQUEST_RECEIVED and RESPONSE_SENT events, matched by client and
+    sequence number; a call refused as NOT_ACTIVE, and a Snapshot repeating an answered
+    request_id, never reached the engine and are left out, as the node's own journal leaves them.
+Such a bag records no state digests and no step positions, so its verdicts judge actions,
+outcomes, error codes, capsule ids and the positions the services answered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rosbags.rosbag2 import Reader
+
+from ..errors import ErrorCode, InvalidArgument
+from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry, Journal
+from ..serving.observation import build_observation, stamp_gap
+from .bag import SESSION_TYPE, session_of_message
+from .types import deserialize
+
+# The outputs a journal rebuilt from a recording holds per kind (``journal.check_entries``).
+RECORDED_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "*": ("error_code",), STEP: ("action",), SNAPSHOT: ("capsule_id", "position"),
+    FORK: ("capsule_id", "position"), RESTORE: ("position",), ROLLBACK: ("position",), DROP: ("position",)}
+
+_SERVICES = {"snapshot": SNAPSHOT, "fork": FORK, "restore": RESTORE, "rollback": ROLLBACK, "drop_capsule": DROP}
+_REQUEST_RECEIVED, _RESPONSE_SENT = 1, 2   # service_msgs/msg/ServiceEventInfo event types
+
+
+@dataclass
+class Recording:
+    """The journal of a recording, and what was left out of it."""
+    journal: Journal
+    dropped_observations: int = 0
+    skipped_calls: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def find_session(path: str | Path) -> dict[str, Any] | None:
+    """The session record in a bag (the last JournalSession on any topic), or None."""
+    found = None
+    with Reader(Path(path)) as reader:
+        connections = [c for c in reader.connections if c.msgtype == SESSION_TYPE]
+        if not connections:   # (an empty list would read every connection)
+            return None
+        for connection, _, raw in reader.messages(connections=connections):
+            found = session_of_message(deserialize(raw, SESSION_TYPE))
+    return found
+
+
+def read_recording(path: str | Path, session: dict[str, Any] | None = None) -> Recording:
+    """The journal of a rosbag2 recording (see the module docstring). ``session``: the node's
+    session record when the bag has none; InvalidArgument when neither has one, or when the bag
+    holds nothing of the node that recorded it."""
+    path = Path(path)
+    session = find_session(path) or session
+    if session is None:
+        raise InvalidArgument(f"{path}: no {SESSION_TYPE} message, and none given: replay needs the node's session "
+                              "record (the model, platform, node name and joint order); record the node's ~/session "
+                              "topic with the others, or pass --session with a bag that holds it")
+    if not session.get("node"):
+        raise InvalidArgument(f"{path}: the session record names no node (it was recorded in-process): only a "
+                              "journal bag replays it")
+    topics = {"joint_states": session["joint_states_topic"], "ee_pose": session["ee_pose_topic"],
+              "action": session["action_topic"]}
+    services = {f"{session['node']}/{name}/_service_event": kind for name, kind in _SERVICES.items()}
+    builder = _Builder(session)
+    with Reader(path) as reader:
+        connections = [c for c in reader.connections if c.topic in topics.values() or c.topic in services]
+        if not connections:
+            raise InvalidArgument(f"{path}: none of the topics of node {session['node']} ({', '.join(topics.values())}, "
+                                  f"its service events): not a recording of that node")
+        for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
+            try:
+                msg = deserialize(raw, connection.msgtype)
+            except Exception as exc:   # rosbags raises several kinds on bytes that are not the type
+                raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
+                                      f"{connection.msgtype}: {exc}") from None
+            topic = connection.topic
+            if topic == topics["ee_pose"]:
+                builder.pose = msg
+            elif topic == topics["joint_states"]:
+                builder.joint_state(msg)
+            elif topic == topics["action"]:
+                builder.action(msg, index)
+            else:
+                builder.service_event(services[topic], topic, msg)
+    builder.finish()
+    return builder.recording
+
+
+class _Builder:
+    def __init__(self, session: dict[str, Any]) -> None:
+        self.recording = Recording(Journal(session=session))
+        self._session = session
+        self.pose: Any = None
+        self._observation: np.ndarray | None = None
+        self._requests: dict[tuple, Any] = {}
+        self._answered: dict[str, tuple] = {}   # request_id -> (name, requested tier, pin) of a made snapshot
+
+    def _add(self, kind: str, request: dict[str, Any], outcome: dict[str, Any]) -> None:
+        entries = self.recording.journal.entries
+        entries.append(Entry(len(entries), kind, request, outcome))
+
+    def joint_state(self, msg: Any) -> None:
+        if self._observation is not None:
+            self.recording.dropped_observations += 1
+        self._observation = None
+        if self.pose is None:
+            return   # the node drops it too: no pose to pair it with
+        gap = stamp_gap(msg, self.pose)
+        if self._session["max_pose_age"] > 0 and gap is not None and gap > self._session["max_pose_age"]:
+            return
+        try:
+            self._observation = build_observation(self._session["joint_names"], msg, self.pose)
+        except InvalidArgument:
+            return
+
+    def action(self, msg: Any, index: int) -> None:
+        if self._observation is None:
+            raise InvalidArgument(f"message {index}: an action with no joint state before it that the node could "
+                                  "have stepped: the bag misses observations, or its order is not the node's")
+        action = np.asarray(msg.positions, dtype=np.float64).astype("<f4")
+        self._add(STEP, {"observation": self._observation.tolist()},
+                  {"error_code": 0, "action": action.tobytes().hex()})
+        self._observation = None
+
+    def service_event(self, kind: str, topic: str, msg: Any) -> None:
+        info = msg.info
+        key = (topic, bytes(info.client_gid), int(info.sequence_number))
+        if info.event_type == _REQUEST_RECEIVED:
+            if not len(msg.request):
+                raise InvalidArgument(f"{topic}: a request event without its request: the node introspected at "
+                                      "the metadata level; replay needs service_introspection=contents")
+            self._requests[key] = msg.request[0]
+        elif info.event_type == _RESPONSE_SENT:
+            request = self._requests.pop(key, None)
+            if request is None:
+                self.recording.skipped_calls += 1   # its request came before the recording began
+                return
+            if not len(msg.response):
+                raise InvalidArgument(f"{topic}: a response event without its response: replay needs "
+                                      "service_introspection=contents")
+            self._call(kind, request, msg.response[0])
+
+    def _call(self, kind: str, req: Any, resp: Any) -> None:
+        code = int(resp.error_code)
+        if code == ErrorCode.NOT_ACTIVE:
+            self.recording.skipped_calls += 1
+            return
+        outcome: dict[str, Any] = {"error_code": code, "position": int(resp.position)}
+        if code == 0 and kind in (SNAPSHOT, FORK):
+            outcome["capsule_id"] = resp.capsule_id
+        if kind == SNAPSHOT:
+            fields = (req.name, req.tier, bool(req.pin))
+            if req.request_id and self._answered.get(req.request_id) == fields and code == 0:
+                self.recording.skipped_calls += 1   # a repeat: answered with the earlier capsule, nothing changed
+                return
+            if req.request_id and code == 0:
+                self._answered[req.request_id] = fields
+            request = {"name": req.name, "tier": req.tier or self._session["default_tier"], "pin": bool(req.pin),
+                       "request_id": req.request_id, "requested_tier": req.tier, "lease_s": float(req.lease_s)}
+        elif kind == FORK:
+            request = {"source_id": req.source_id, "name": req.name, "lease_s": float(req.lease_s),
+                       "tier": "" if req.source_id else self._session["default_tier"]}
+        elif kind == RESTORE:
+            request = {"capsule_id": req.capsule_id, "verify": bool(req.verify)}
+        elif kind == ROLLBACK:
+            request = {"steps": int(req.steps), "to_position": int(req.to_position)}
+        else:
+            request = {"capsule_id": req.capsule_id}
+        self._add(kind, request, outcome)
+
+    def finish(self) -> None:
+        if self._observation is not None:
+            self.recording.dropped_observations += 1
+        if self._requests:
+            self.recording.notes.append(f"{len(self._requests)} calls with no response recorded (the recording "
+                                        "ended first) are left out")
+        if not self.recording.journal.entries:
+            raise InvalidArgument("the recording holds no step and no capsule call of the node")
