@@ -3,6 +3,7 @@ introspection events, taken over real DDS by subscribers as `ros2 bag record` ta
 ros2 CLI is not on PyPI here), written in rosbag2's layout with rosbags, no journal in it."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -153,8 +154,16 @@ def recorded(tmp_path_factory) -> Path:
 
 
 def _replay(*args: str) -> subprocess.CompletedProcess:
+    """flashrt-replay in a process of its own, at the vector kernels of this one, which the node
+    recorded with (another test may have set ATEN_CPU_CAPABILITY for the processes it starts)."""
+    import torch
+
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2", "AVX512"):   # the x86 levels torch reads
+        env["ATEN_CPU_CAPABILITY"] = torch.backends.cpu.get_cpu_capability().lower()
     return subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=Path(args[0]).parent)
+                          timeout=120, cwd=Path(args[0]).parent, env=env)
 
 
 def _copy_without(bag: Path, out: Path, topic: str, change=None) -> None:
