@@ -10,7 +10,8 @@ Operations are put in the order the recorder received the node's outputs (an act
 service's RESPONSE_SENT event), which is their commit order when one recorder took them all:
   - an observation is the last joint state before an action, paired with the pose before it,
     as the node pairs them; a joint state with no action after it (before the next one) was
-    dropped by the node, or came while it was not active, and is not an operation;
+    dropped by the node, or came while it was not active, and is not an operation; an action
+    before any operation answers an observation the recording began after, and is left out;
   - a capsule call is its REQUEST_RECEIVED and RESPONSE_SENT events, matched by client and
     sequence number; a call refused as NOT_ACTIVE, and a Snapshot repeating an answered
     request_id, never reached the engine and are left out, as the node's own journal leaves them.
@@ -131,6 +132,9 @@ class _Builder:
             return
 
     def action(self, msg: Any, index: int) -> None:
+        if self._observation is None and not self.recording.journal.entries:
+            self.recording.skipped_calls += 1   # its observation came before the recording began
+            return
         if self._observation is None:
             raise InvalidArgument(f"message {index}: an action with no joint state before it that the node could "
                                   "have stepped: the bag misses observations, or its order is not the node's")
