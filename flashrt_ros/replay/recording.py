@@ -133,7 +133,8 @@ class _Builder:
 
     def action(self, msg: Any, index: int) -> None:
         if self._observation is None and not self.recording.journal.entries:
-            self.recording.skipped_calls += 1   # its observation came before the recording began
+            self.recording.notes.append("the first action answers an observation from before the recording "
+                                        "began, and is left out")
             return
         if self._observation is None:
             raise InvalidArgument(f"message {index}: an action with no joint state before it that the node could "
