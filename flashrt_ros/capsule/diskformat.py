@@ -269,6 +269,10 @@ def _framing(blob: torch.Tensor, name: str) -> tuple[str, int, int]:
         if state["dtype"] != "U8" or state["shape"] != [count] or state["data_offsets"] != [0, count] \
                 or 8 + length + count != size:
             raise ValueError(f"tensor 'state' {str(state)[:80]} in {size} bytes")
+        # Byte for byte the framing ``_prefix`` writes: JSON that parses alike from other bytes
+        # (a tab for a padding space) is covered by no digest, so it is refused here.
+        if blob[:8 + length].numpy().tobytes() != _prefix(meta[_KEY], count):
+            raise ValueError("framing bytes other than the ones this format writes")
     except (ValueError, RecursionError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise CorruptCapsule(f"{name}: not a capsule's safetensors layout ({type(exc).__name__}: "
                              f"{str(exc)[:120]})") from None
