@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
@@ -200,6 +200,18 @@ def write_bag(path: str | Path, journal: Journal) -> Path:
     return Path(path)
 
 
+def messages(path: str | Path, reader: Reader, connections: list) -> Iterator[tuple[Any, Any]]:
+    """(connection, message) of each message on ``connections`` (not empty: rosbags reads every
+    connection for an empty list), in log-time order; InvalidArgument naming one that is not its type."""
+    for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
+        try:
+            msg = deserialize(raw, connection.msgtype)
+        except Exception as exc:   # rosbags raises several kinds on bytes that are not the type
+            raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
+                                  f"{connection.msgtype}: {exc}") from None
+        yield connection, msg
+
+
 def is_journal_bag(path: str | Path) -> bool:
     """Whether a bag holds this package's journal (else it may be a recording of the node's topics)."""
     with Reader(Path(path)) as reader:
@@ -219,12 +231,7 @@ def read_bag(path: str | Path) -> Journal:
                 raise InvalidArgument(f"{path}: {c.topic} holds {c.msgtype}, not {wanted}: a journal bag of another "
                                       "format (record it again with this version)")
         entries = []
-        for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
-            try:
-                msg = deserialize(raw, connection.msgtype)
-            except Exception as exc:   # rosbags raises several kinds on bytes that are not the type
-                raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
-                                      f"{connection.msgtype}: {exc}") from None
+        for connection, msg in messages(path, reader, connections):
             if connection.topic == SESSION_TOPIC:
                 journal.session = session_of_message(msg)
             else:

@@ -30,7 +30,7 @@ from rosbags.rosbag2 import Reader
 from ..errors import ErrorCode, InvalidArgument
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry, Journal
 from ..serving.observation import build_observation, stamp_gap
-from .bag import SESSION_TYPE, session_of_message
+from .bag import SESSION_TYPE, messages, session_of_message
 from .types import deserialize
 
 # The outputs a journal rebuilt from a recording holds per kind (``journal.check_entries``).
@@ -85,19 +85,14 @@ def read_recording(path: str | Path, session: dict[str, Any] | None = None) -> R
         if not connections:
             raise InvalidArgument(f"{path}: none of the topics of node {session['node']} ({', '.join(topics.values())}, "
                                   f"its service events): not a recording of that node")
-        for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
-            try:
-                msg = deserialize(raw, connection.msgtype)
-            except Exception as exc:   # rosbags raises several kinds on bytes that are not the type
-                raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
-                                      f"{connection.msgtype}: {exc}") from None
+        for connection, msg in messages(path, reader, connections):
             topic = connection.topic
             if topic == topics["ee_pose"]:
                 builder.pose = msg
             elif topic == topics["joint_states"]:
                 builder.joint_state(msg)
             elif topic == topics["action"]:
-                builder.action(msg, index)
+                builder.action(msg)
             else:
                 builder.service_event(services[topic], topic, msg)
     builder.finish()
@@ -131,13 +126,13 @@ class _Builder:
         except InvalidArgument:
             return
 
-    def action(self, msg: Any, index: int) -> None:
+    def action(self, msg: Any) -> None:
         if self._observation is None and not self.recording.journal.entries:
             self.recording.notes.append("the first action answers an observation from before the recording "
                                         "began, and is left out")
             return
         if self._observation is None:
-            raise InvalidArgument(f"message {index}: an action with no joint state before it that the node could "
+            raise InvalidArgument("an action with no joint state before it that the node could "
                                   "have stepped: the bag misses observations, or its order is not the node's")
         action = np.asarray(msg.positions, dtype=np.float64).astype("<f4")
         self._add(STEP, {"observation": self._observation.tolist()},
