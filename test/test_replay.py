@@ -323,6 +323,8 @@ def test_every_topic_of_a_journal_bag_has_its_real_type_for_rosbags_and_mcap():
     from rosbags.rosbag2 import Reader
     from rosbags.typesys import Stores, get_typestore, get_types_from_msg
 
+    from flashrt_ros.replay.types import stored_name
+
     expected = {"/flashrt/journal/session": "flashrt_ros/msg/JournalSession",
                 "/flashrt/journal": "flashrt_ros/msg/JournalEntry",
                 "/flashrt/joint_states": "sensor_msgs/msg/JointState",
@@ -360,8 +362,9 @@ def test_every_topic_of_a_journal_bag_has_its_real_type_for_rosbags_and_mcap():
         for c in reader.connections:   # every schema parses on its own
             store.register(get_types_from_msg(c.msgdef.data, c.msgtype))
         decoded = {}
-        for c, _, raw in reader.messages():   # and ROS itself reads every message
+        for c, _, raw in reader.messages():   # ROS itself reads every message, and so does rosbags
             decoded.setdefault(c.topic, []).append(deserialize_message(bytes(raw), ros_type(c.msgtype)))
+            store.deserialize_cdr(raw, stored_name(c.msgtype))   # (it refuses bytes after the fields)
     assert len(decoded["/flashrt/joint_states"]) == len(decoded["/flashrt/action"]) == 12
     events = decoded["/flashrt/snapshot/_service_event"]
     assert [e.info.event_type for e in events] == [1, 2]   # REQUEST_RECEIVED, RESPONSE_SENT

@@ -87,6 +87,24 @@ def deserialize(raw: bytes | memoryview, typename: str) -> Any:
     """A CDR message of ``typename``. rosbags refuses more than 3 bytes after the last field;
     rmw_fastrtps pads a message to 8-byte alignment (a JointState whose last sequence is empty
     ends with 4), so up to 7 are taken as padding here. SerdeError for anything else."""
+    message, after = _parse(raw, typename)
+    if after > 7:
+        raise SerdeError(f"CDR message size mismatch for {typename!r}: {after} bytes after its fields")
+    return message
+
+
+def canonical(serialized: bytes | memoryview, typename: str) -> bytes:
+    """``serialized`` (a message of ``typename`` as rclpy's serialize_message gives it) as rosbags
+    lays it out, every padding byte zero. serialize_message returns a buffer sized for the
+    message's worst-case alignment, whose padding and tail are left as the allocator found them
+    (a JointTrajectoryPoint with three empty arrays ends with 12 such bytes): written as they
+    are, a bag would hold bytes that differ per run and that rosbags refuses to read."""
+    message, _ = _parse(serialized, typename)
+    return bytes(typestore().serialize_cdr(message, stored_name(typename)))
+
+
+def _parse(raw: bytes | memoryview, typename: str) -> tuple[Any, int]:
+    """The message, and how many bytes are left after its last field."""
     store = typestore()
     data = bytes(raw)
     if len(data) < 4 or data[:2] not in (b"\x00\x00", b"\x00\x01"):
@@ -97,6 +115,4 @@ def deserialize(raw: bytes | memoryview, typename: str) -> Any:
         message, pos = func(data[4:], 0, msgdef.cls, store)
     except (struct.error, UnicodeDecodeError, ValueError) as exc:
         raise SerdeError(f"could not deserialize {typename!r}: {exc}") from exc
-    if len(data) - 4 - pos > 7:
-        raise SerdeError(f"CDR message size mismatch for {typename!r}: {len(data) - 4 - pos} bytes after its fields")
-    return message
+    return message, len(data) - 4 - pos

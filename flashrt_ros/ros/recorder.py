@@ -25,6 +25,7 @@ from rclpy.serialization import serialize_message
 from service_msgs.msg import ServiceEventInfo
 
 from ..replay.bag import BagWriter
+from ..replay.types import canonical
 from ..serving.journal import Entry
 
 
@@ -48,7 +49,8 @@ class Recorder:
 
     def message(self, topic: str, msg: Any) -> None:
         try:
-            self.bag.write_message(topic, type_name(msg), serialize_message(msg))
+            name = type_name(msg)
+            self.bag.write_message(topic, name, canonical(serialize_message(msg), name))
         except Exception as exc:   # a recording must never cost an answer or a step
             if not self._warned.is_set():
                 self._warned.set()
