@@ -200,16 +200,17 @@ def write_bag(path: str | Path, journal: Journal) -> Path:
     return Path(path)
 
 
-def messages(path: str | Path, reader: Reader, connections: list) -> Iterator[tuple[Any, Any]]:
-    """(connection, message) of each message on ``connections`` (not empty: rosbags reads every
-    connection for an empty list), in log-time order; InvalidArgument naming one that is not its type."""
+def messages(path: str | Path, reader: Reader, connections: list) -> Iterator[tuple[Any, Any, bytes]]:
+    """(connection, message, its serialized bytes) of each message on ``connections`` (not empty:
+    rosbags reads every connection for an empty list), in log-time order; InvalidArgument naming
+    one that is not its type."""
     for index, (connection, _, raw) in enumerate(reader.messages(connections=connections)):
         try:
             msg = deserialize(raw, connection.msgtype)
         except Exception as exc:   # rosbags raises several kinds on bytes that are not the type
             raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
                                   f"{connection.msgtype}: {exc}") from None
-        yield connection, msg
+        yield connection, msg, raw
 
 
 def is_journal_bag(path: str | Path) -> bool:
@@ -231,7 +232,7 @@ def read_bag(path: str | Path) -> Journal:
                 raise InvalidArgument(f"{path}: {c.topic} holds {c.msgtype}, not {wanted}: a journal bag of another "
                                       "format (record it again with this version)")
         entries = []
-        for connection, msg in messages(path, reader, connections):
+        for connection, msg, _ in messages(path, reader, connections):
             if connection.topic == SESSION_TOPIC:
                 journal.session = session_of_message(msg)
             else:

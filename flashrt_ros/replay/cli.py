@@ -16,6 +16,9 @@ service_introspection=contents, and the recording needs the node's ~/session top
 --session naming a bag that holds it). A recording holds no state digests: its verdicts judge
 actions, outcomes, error codes and the positions the services answered.
 
+flashrt-replay --live BAG plays a recording's observations and capsule calls into a running
+flashrt_node over DDS instead, and judges what it answers (flashrt_ros.ros.live_replay).
+
 Exit status: 0 when the applied verdict passes; 1 when it fails, naming each message; 2 when
 the bag cannot be read as a flashrt journal or its engine cannot be rebuilt.
 
@@ -40,8 +43,8 @@ from ..capsule import signing
 from ..errors import InvalidArgument
 from ..serving.journal import Journal
 from .journal import JOURNAL_OUTPUTS, check_entries, judge
-from .recording import RECORDED_OUTPUTS, find_session, read_recording
-from .session import cpu_name, engine_for, platform_differences
+from .recording import RECORDED_OUTPUTS, Recording, find_session, read_recording
+from .session import engine_for, platform_differences, platform_of
 from .verdicts import DIFFERS, Tolerance, Verdicts
 
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
@@ -53,10 +56,10 @@ _SHOWN = 20   # findings printed; --report lists them all
 def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     """``rerun``: allowed to re-execute this process at the recorded kernels. Only the
     command itself passes it: a re-exec restarts whatever program the process runs."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         tolerance = Tolerance(args.margin_tol, args.action_atol, args.action_rtol)
-        journal, outputs, source = _read(args.bag, args.session)
+        journal, outputs, source = read(args.bag, args.session)
         try:
             check_entries(journal.entries, outputs)
         except InvalidArgument as exc:
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
         print(f"flashrt-replay: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     session = journal.session
-    differences = platform_differences(session, engine)
+    here = platform_of(engine)
+    differences = platform_differences(session, here)
     verdict = args.verdict if args.verdict != "auto" else ("portable" if differences else "exact")
     print(f"replaying {len(journal.entries)} operations from {args.bag}, {source} "
           f"({session['model_path'] or 'embedded default'}, model {session['model_fingerprint'][:12]})")
@@ -95,24 +99,27 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
         # exit aborts the process.
         engine.close()
     if args.report:
-        _write_report(Path(args.report), journal.entries, report)
-    _print_verdicts(report, tolerance, verdict, session, ENTRY_TOPIC if outputs is JOURNAL_OUTPUTS else "operation")
+        write_report(Path(args.report), journal.entries, report)
+    print_verdicts(report, tolerance, verdict, session, here, ENTRY_TOPIC if outputs is JOURNAL_OUTPUTS else "operation")
     if report.stopped is None:
         print(f"final state digest {digest}")
     return 0 if (report.exact if verdict == "exact" else report.portable) else 1
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashrt-replay", description=__doc__,
+def parser(prog: str = "flashrt-replay", description: str | None = __doc__,
+           in_process: bool = True) -> argparse.ArgumentParser:
+    """The command's arguments; ``in_process``: with those of a replay on an engine of its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bag", help="rosbag2 folder: a journal bag written by flashrt_node's journal_path, or a "
                         "recording (ros2 bag record) of its topics and service events")
     parser.add_argument("--session", help="a bag holding the node's session record (flashrt_ros/msg/JournalSession, "
                         "which the node publishes on ~/session), for a recording that lacks it")
-    parser.add_argument("--device", default="cpu", help="torch device of the fresh engine (default cpu)")
-    parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
-                        "(default: the capsule_dir it recorded); they are copied, never changed")
-    parser.add_argument("--capsule-key-file", help="the key file of a session that signed its capsule files")
+    if in_process:
+        parser.add_argument("--device", default="cpu", help="torch device of the fresh engine (default cpu)")
+        parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
+                            "(default: the capsule_dir it recorded); they are copied, never changed")
+        parser.add_argument("--capsule-key-file", help="the key file of a session that signed its capsule files")
     parser.add_argument("--verdict", choices=("auto", "exact", "portable"), default="auto",
                         help="the verdict that decides the exit status (default auto: exact on the recording's "
                         "platform, portable elsewhere)")
@@ -127,25 +134,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str]:
+def read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str]:
     """The journal of a journal bag, or of a rosbag2 recording of the node's topics (with the
     session record from ``session_bag`` if the recording lacks one), what its entries hold, and
     what the bag is, in words."""
     if is_journal_bag(bag):
         return read_bag(bag), JOURNAL_OUTPUTS, "a journal bag"
-    session = None
-    if session_bag:
-        session = find_session(session_bag)
-        if session is None:
-            raise InvalidArgument(f"--session {session_bag}: no flashrt_ros/msg/JournalSession in it")
-    recording = read_recording(bag, session)
+    recording = read_recorded(bag, session_bag)
     words = (f"a rosbag2 recording of node {recording.journal.session['node']} ({recording.dropped_observations} "
              f"observations with no action and {recording.skipped_calls} calls that reached no engine left out"
              + "".join(f"; {note}" for note in recording.notes) + "; no state digests recorded)")
     return recording.journal, RECORDED_OUTPUTS, words
 
 
-def _print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: dict, where: str) -> None:
+def read_recorded(bag: str, session_bag: str | None) -> Recording:
+    """The recording in ``bag``, its session record taken from ``session_bag`` when it lacks one."""
+    session = None
+    if session_bag:
+        session = find_session(session_bag)
+        if session is None:
+            raise InvalidArgument(f"--session {session_bag}: no flashrt_ros/msg/JournalSession in it")
+    return read_recording(bag, session)
+
+
+def print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: dict, here: dict,
+                   where: str) -> None:
     messages = report.messages()
     out = sys.stdout if (report.exact if verdict == "exact" else report.portable) else sys.stderr
     for finding in report.findings[:_SHOWN]:
@@ -169,12 +182,12 @@ def _print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, sessio
     if not report.exact:
         print(f"(recorded with torch {session.get('torch', 'unknown')} on "
               f"{session.get('aten_cpu_capability', 'unrecorded')} kernels of {session.get('cpu', 'an unrecorded CPU')}, "
-              f"replayed with {torch.__version__} on {torch.backends.cpu.get_cpu_capability()} kernels of "
-              f"{cpu_name()}: replay is byte-exact on the same torch, CPU kernels and flashrt_ros build only, and "
+              f"replayed with {here['torch']} on {here['aten_cpu_capability']} kernels of "
+              f"{here['cpu']}: replay is byte-exact on the same torch, CPU kernels and flashrt_ros build only, and "
               "MKL's products may round differently on another CPU vendor)", file=out)
 
 
-def _write_report(path: Path, entries: list, report: Verdicts) -> None:
+def write_report(path: Path, entries: list, report: Verdicts) -> None:
     messages = report.messages()
     by_seq: dict[int, list[str]] = {}
     for finding in report.findings:

@@ -7,7 +7,7 @@ maps recorded ids to the ones it creates. ROS-free: it needs only an engine.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 from ..errors import FlashRTError, InvalidArgument
 from ..serving.journal import DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, action_bytes
@@ -43,10 +43,50 @@ def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Toleranc
     as a whole, wherever a replay of its earlier entries would have diverged. ``outputs``: what
     each kind must have recorded (default: a journal's, ``JOURNAL_OUTPUTS``); an output an
     entry does not hold is not judged."""
+    return judge_on(entries, EngineTarget(engine), tolerance, strict, outputs)
+
+
+class Target(Protocol):
+    """What entries are replayed on: this process's engine (``EngineTarget``), or a node over
+    DDS (``ros.live_replay``). Capsule ids are mapped through ``ids`` (recorded -> replayed)."""
+
+    def apply(self, entry: Entry, ids: dict[str, str]) -> dict[str, Any]:
+        """The entry's call, made again: its outputs ("token", "action", "capsule_id", and the
+        "position" it leaves); FlashRTError with its code when refused."""
+
+    def state_digest(self) -> str | None:
+        """The digest of the live state (None: the target cannot tell)."""
+
+    def retake(self, entry: Entry, token: int) -> None:
+        """Replace the token ``entry`` just produced with the recorded ``token``."""
+
+
+class EngineTarget:
+    """Entries applied to an engine in this process."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._requests = SnapshotRequests()
+
+    def apply(self, entry: Entry, ids: dict[str, str]) -> dict[str, Any]:
+        produced = _apply(entry, self.engine, ids, self._requests)
+        produced["position"] = self.engine.position
+        return produced
+
+    def state_digest(self) -> str:
+        return self.engine.state_digest()
+
+    def retake(self, entry: Entry, token: int) -> None:
+        self.engine.rollback(steps=1)   # go on from the recorded token, as the recording did
+        self.engine.append(token, seed=entry.request.get("seed"))
+
+
+def judge_on(entries: Iterable[Entry], target: Target, tolerance: Tolerance = Tolerance(),
+             strict: bool = False, outputs: Mapping[str, tuple[str, ...]] | None = None) -> Verdicts:
+    """``judge``, on any ``Target``."""
     entries = list(entries)
     check_entries(entries, outputs)
     ids: dict[str, str] = {}
-    requests = SnapshotRequests()
     report = Verdicts()
 
     def found(entry: Entry, what: str, recorded: Any, replayed: Any, portable: str, detail: str = "") -> Finding:
@@ -58,7 +98,7 @@ def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Toleranc
     for entry in entries:
         out = entry.outcome
         try:
-            produced = _apply(entry, engine, ids, requests)
+            produced = target.apply(entry, ids)
             code = 0
         except FlashRTError as exc:
             produced, code = {}, int(exc.code)
@@ -70,9 +110,13 @@ def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Toleranc
             report.failures_reproduced += 1
             continue
         if entry.kind == DECODE:
-            _judge_token(entry, produced, engine, tolerance, found)
-        if "position" in out and out["position"] != engine.position:
-            report.stopped = found(entry, "position", out["position"], engine.position, DIFFERS)
+            recorded, margin = out["token"], out.get("margin")
+            portable, detail = verdicts.token(recorded, margin, produced["token"], tolerance)
+            if portable != SAME:
+                found(entry, "token", recorded, produced["token"], portable, detail)
+                target.retake(entry, recorded)
+        if "position" in out and out["position"] != produced.get("position"):
+            report.stopped = found(entry, "position", out["position"], produced.get("position"), DIFFERS)
             break
         if entry.kind == STEP:
             portable, detail, largest = verdicts.action(out["action"], produced["action"], tolerance)
@@ -81,22 +125,12 @@ def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Toleranc
                 found(entry, "action", out["action"], produced["action"], portable, detail)
         if entry.kind in (SNAPSHOT, FORK):
             ids[out["capsule_id"]] = produced["capsule_id"]
-        if "state_digest" in out and out["state_digest"] != (digest := engine.state_digest()):
+        if "state_digest" in out and out["state_digest"] != (digest := target.state_digest()):
             found(entry, "state_digest", out["state_digest"], digest, EXACT_ONLY)
         report.tokens += entry.kind == DECODE
         report.actions += entry.kind == STEP
         report.capsule_calls += entry.kind not in (PREFILL, DECODE, STEP, SPILL)
     return report
-
-
-def _judge_token(entry: Entry, produced: dict[str, Any], engine: Any, tolerance: Tolerance, found) -> None:
-    recorded, margin = entry.outcome["token"], entry.outcome.get("margin")
-    portable, detail = verdicts.token(recorded, margin, produced["token"], tolerance)
-    if portable == SAME:
-        return
-    found(entry, "token", recorded, produced["token"], portable, detail)
-    engine.rollback(steps=1)   # go on from the recorded token, as the recording did
-    engine.append(recorded, seed=entry.request.get("seed"))
 
 
 def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotRequests) -> dict[str, Any]:

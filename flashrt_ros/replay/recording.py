@@ -44,8 +44,10 @@ _REQUEST_RECEIVED, _RESPONSE_SENT = 1, 2   # service_msgs/msg/ServiceEventInfo e
 
 @dataclass
 class Recording:
-    """The journal of a recording, and what was left out of it."""
+    """The journal of a recording, what was left out of it, and the messages each step was built
+    from: ``inputs[seq]`` is (its ee_pose, its joint state), serialized as recorded."""
     journal: Journal
+    inputs: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     dropped_observations: int = 0
     skipped_calls: int = 0
     notes: list[str] = field(default_factory=list)
@@ -85,12 +87,12 @@ def read_recording(path: str | Path, session: dict[str, Any] | None = None) -> R
         if not connections:
             raise InvalidArgument(f"{path}: none of the topics of node {session['node']} ({', '.join(topics.values())}, "
                                   f"its service events): not a recording of that node")
-        for connection, msg in messages(path, reader, connections):
+        for connection, msg, raw in messages(path, reader, connections):
             topic = connection.topic
             if topic == topics["ee_pose"]:
-                builder.pose = msg
+                builder.pose = (msg, raw)
             elif topic == topics["joint_states"]:
-                builder.joint_state(msg)
+                builder.joint_state(msg, raw)
             elif topic == topics["action"]:
                 builder.action(msg)
             else:
@@ -103,8 +105,9 @@ class _Builder:
     def __init__(self, session: dict[str, Any]) -> None:
         self.recording = Recording(Journal(session=session))
         self._session = session
-        self.pose: Any = None
+        self.pose: tuple[Any, bytes] | None = None   # the latest ee_pose, and its bytes
         self._observation: np.ndarray | None = None
+        self._input: tuple[bytes, bytes] | None = None
         self._requests: dict[tuple, Any] = {}
         self._answered: dict[str, tuple] = {}   # request_id -> (name, requested tier, pin) of a made snapshot
 
@@ -112,19 +115,21 @@ class _Builder:
         entries = self.recording.journal.entries
         entries.append(Entry(len(entries), kind, request, outcome))
 
-    def joint_state(self, msg: Any) -> None:
+    def joint_state(self, msg: Any, raw: bytes) -> None:
         if self._observation is not None:
             self.recording.dropped_observations += 1
         self._observation = None
         if self.pose is None:
             return   # the node drops it too: no pose to pair it with
-        gap = stamp_gap(msg, self.pose)
+        pose, pose_raw = self.pose
+        gap = stamp_gap(msg, pose)
         if self._session["max_pose_age"] > 0 and gap is not None and gap > self._session["max_pose_age"]:
             return
         try:
-            self._observation = build_observation(self._session["joint_names"], msg, self.pose)
+            self._observation = build_observation(self._session["joint_names"], msg, pose)
         except InvalidArgument:
             return
+        self._input = (pose_raw, raw)
 
     def action(self, msg: Any) -> None:
         if self._observation is None and not self.recording.journal.entries:
@@ -135,6 +140,7 @@ class _Builder:
             raise InvalidArgument("an action with no joint state before it that the node could "
                                   "have stepped: the bag misses observations, or its order is not the node's")
         action = np.asarray(msg.positions, dtype=np.float64).astype("<f4")
+        self.recording.inputs[len(self.recording.journal.entries)] = self._input
         self._add(STEP, {"observation": self._observation.tolist()},
                   {"error_code": 0, "action": action.tobytes().hex()})
         self._observation = None

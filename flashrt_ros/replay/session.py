@@ -67,18 +67,33 @@ def cpu_name() -> str:
     return " ".join(filter(None, (fields.get("vendor_id"), fields.get("model name")))) or platform.machine()
 
 
-def platform_differences(session: dict[str, Any], engine: Engine) -> list[str]:
-    """What of the platform the session recorded differs here: each one may round the products
-    differently, so that only the portable verdict is promised (empty: the exact one is)."""
+def platform_of(engine: Engine) -> dict[str, Any]:
+    """What of this process's platform decides how the engine's products round."""
     here = {"device": engine.device.type, "torch": torch.__version__,
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": cpu_name(),
             "torch_threads": torch.get_num_threads(), "cpu_kernels": engine.cpu_kernels}
     kernels = native_kernels(engine)
     for kernel in cpu_backend.KERNELS:
         here[kernel] = kernels.get(kernel, "")
-    recorded = {"device": "cpu", "cpu_kernels": False}
-    return [f"{key} {session.get(key, recorded.get(key, ''))!r} when recorded, {value!r} here"
-            for key, value in here.items() if session.get(key, recorded.get(key, "")) != value]
+    return here
+
+
+def platform_in(session: dict[str, Any]) -> dict[str, Any]:
+    """The same, as another session record (a live node's) states it."""
+    return {key: session.get(key, _UNRECORDED.get(key, "")) for key in
+            ("device", "torch", "aten_cpu_capability", "cpu", "torch_threads", "cpu_kernels", *cpu_backend.KERNELS)}
+
+
+def platform_differences(session: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """What of the platform the session recorded differs ``here`` (``platform_of``, ``platform_in``):
+    each one may round the products differently, so that only the portable verdict is promised
+    (empty: the exact one is)."""
+    return [f"{key} {session.get(key, _UNRECORDED.get(key, ''))!r} when recorded, {value!r} here"
+            for key, value in here.items() if session.get(key, _UNRECORDED.get(key, "")) != value]
+
+
+# What a session recorded before it recorded these means.
+_UNRECORDED = {"device": "cpu", "cpu_kernels": False}
 
 
 def native_kernels(engine: Engine) -> dict[str, str]:

@@ -183,10 +183,12 @@ class FlashRTNode(LifecycleNode):
 
     def _open_policy_io(self) -> None:
         """The policy's topics, with an engine to step (lifecycle_py: made in configure)."""
+        # The pose first: an executor that finds both waiting takes them in the order they were
+        # made, and a joint state is paired with the latest pose taken.
         self._policy_io = [
+            self.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, 10, callback_group=self._policy_group),
             self.create_subscription(JointState, "~/joint_states", self._on_joint_state, 10,
-                                     callback_group=self._policy_group),
-            self.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, 10, callback_group=self._policy_group)]
+                                     callback_group=self._policy_group)]
         self._action_pub = self.create_publisher(JointTrajectoryPoint, "~/action", 10)
 
     def _close_policy_io(self) -> None:

@@ -1,0 +1,185 @@
+"""Replay of a recording against a running flashrt_node over DDS (``flashrt-replay --live``).
+
+The player plays the recording's inputs into the node, as ``ros2 bag play`` would: each step's
+ee_pose and joint state, the very bytes recorded, on the node's topics, and each capsule call
+as a request to its service. It waits for the node's answer to each (the action, the response)
+before it sends the next, so the node commits them in the recorded order, and judges what
+comes back with the verdicts of an in-process replay (``replay.journal.judge_on``).
+
+Only what DDS shows is judged: actions, outcomes, error codes, capsule ids and the positions
+the services answer. State digests are not published, and Generate goals (which rosbag2 cannot
+record, Jazzy introspecting no actions) are not played.
+
+The node must start where the recorded one did: the same model and platform (its own
+``~/session`` record says which), with the capsules the recorded one found at start, and no
+calls or steps before the first recorded one.
+
+The node takes the latest pose when a joint state arrives, and DDS orders messages per topic
+only: the player sends a step's pose, waits until the node's reader has acknowledged it and for
+``settle_s`` more, so that the node has taken it before the joint state that follows.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import rclpy
+from geometry_msgs.msg import PoseStamped
+from rclpy.context import Context
+from rclpy.duration import Duration
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import JointState
+from trajectory_msgs.msg import JointTrajectoryPoint
+
+from ..errors import ErrorCode, FlashRTError, InvalidArgument
+from ..msg import JournalSession
+from ..replay.bag import SESSION_TYPE, session_of_message
+from ..replay.types import deserialize
+from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry
+from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
+
+_SERVICES = {SNAPSHOT: ("snapshot", Snapshot), FORK: ("fork", Fork), RESTORE: ("restore", Restore),
+             ROLLBACK: ("rollback", Rollback), DROP: ("drop_capsule", DropCapsule)}
+_LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
+
+
+class Refused(FlashRTError):
+    """The live node answered with an error code, or not at all (INTERNAL, with the reason)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
+
+
+class LiveNode:
+    """A ``replay.journal.Target`` that is a flashrt_node reached over DDS."""
+
+    def __init__(self, recorded: dict[str, Any], inputs: dict[int, tuple[bytes, bytes]],
+                 timeout_s: float = 30.0, settle_s: float = 0.02) -> None:
+        self._inputs, self._timeout, self._settle = inputs, timeout_s, settle_s
+        self.problems: list[str] = []   # why the node gave no answer, for each time it gave none
+        self._context = Context()
+        rclpy.init(context=self._context)
+        self._node = rclpy.create_node(f"flashrt_replay_{time.monotonic_ns() % 10**9}", context=self._context)
+        name = recorded["node"]
+        self._pose = self._node.create_publisher(PoseStamped, recorded["ee_pose_topic"], 10)
+        self._joints = self._node.create_publisher(JointState, recorded["joint_states_topic"], 10)
+        self._actions: list[bytes] = []
+        self._arrived = threading.Condition()
+        self._node.create_subscription(JointTrajectoryPoint, recorded["action_topic"], self._on_action, 100)
+        self._session: dict[str, Any] | None = None
+        self._node.create_subscription(JournalSession, f"{name}/session", self._on_session, _LATCHED, raw=True)
+        self._clients = {kind: self._node.create_client(srv, f"{name}/{service}")
+                         for kind, (service, srv) in _SERVICES.items()}
+        self._list = self._node.create_client(ListCapsules, f"{name}/list_capsules")
+        self._executor = SingleThreadedExecutor(context=self._context)
+        self._executor.add_node(self._node)
+        self._thread = threading.Thread(target=self._executor.spin, name="live-replay", daemon=True)
+        self._thread.start()
+
+    # ---- the node's side ------------------------------------------------------------------------------
+    def _on_action(self, msg: JointTrajectoryPoint) -> None:
+        with self._arrived:
+            self._actions.append(np.asarray(msg.positions, dtype=np.float64).astype("<f4").tobytes())
+            self._arrived.notify_all()
+
+    def _on_session(self, raw: bytes) -> None:
+        with self._arrived:
+            self._session = session_of_message(deserialize(raw, SESSION_TYPE))
+            self._arrived.notify_all()
+
+    def connect(self) -> dict[str, Any]:
+        """The live node's session record, once its services answer and it is active;
+        InvalidArgument when it does not come up within the timeout."""
+        deadline = time.monotonic() + self._timeout
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: self._session is not None, self._timeout):
+                raise InvalidArgument(f"no session record on {self._node.resolve_topic_name('~')}: is a flashrt_node "
+                                      f"running in this ROS domain, with the recorded node name?")
+        for client in (*self._clients.values(), self._list):
+            if not client.wait_for_service(timeout_sec=max(0.1, deadline - time.monotonic())):
+                raise InvalidArgument(f"the node's {client.srv_name} service did not come up")
+        while True:   # autostart: the services exist before activation ends
+            answer = self._call(self._list, ListCapsules.Request())
+            if answer.error_code != ErrorCode.NOT_ACTIVE:
+                return self._session
+            if time.monotonic() > deadline:
+                raise InvalidArgument("the node did not become active")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._executor.shutdown(timeout_sec=5)
+        self._thread.join(5)
+        self._node.destroy_node()
+        self._context.try_shutdown()
+
+    # ---- Target -------------------------------------------------------------------------------------
+    def apply(self, entry: Entry, ids: dict[str, str]) -> dict[str, Any]:
+        if entry.kind == STEP:
+            return {"action": self._step(entry).hex()}
+        if entry.kind not in _SERVICES:
+            raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) cannot be played into a live node")
+        req = entry.request
+        _, srv = _SERVICES[entry.kind]
+        if entry.kind == SNAPSHOT:
+            request = srv.Request(name=req["name"], tier=req.get("requested_tier", req["tier"]), pin=req["pin"],
+                                  request_id=req["request_id"], lease_s=req["lease_s"])
+        elif entry.kind == FORK:
+            source = req["source_id"]
+            request = srv.Request(source_id=ids.get(source, source), name=req["name"], lease_s=req["lease_s"])
+        elif entry.kind == RESTORE:
+            request = srv.Request(capsule_id=ids.get(req["capsule_id"], req["capsule_id"]), verify=req["verify"])
+        elif entry.kind == ROLLBACK:
+            request = srv.Request(steps=req["steps"], to_position=req["to_position"])
+        else:
+            request = srv.Request(capsule_id=ids.get(req["capsule_id"], req["capsule_id"]))
+        response = self._call(self._clients[entry.kind], request)
+        if not response.success:
+            raise Refused(response.error_code, response.message)
+        produced: dict[str, Any] = {"position": int(response.position)}
+        if entry.kind in (SNAPSHOT, FORK):
+            produced["capsule_id"] = response.capsule_id
+        return produced
+
+    def state_digest(self) -> str | None:
+        return None
+
+    def retake(self, entry: Entry, token: int) -> None:
+        raise InvalidArgument("a live replay plays no tokens")
+
+    # ---- one call, one step -------------------------------------------------------------------------
+    def _call(self, client: Any, request: Any) -> Any:
+        future = client.call_async(request)
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(self._timeout):
+            client.remove_pending_request(future)
+            raise self._unanswered(f"{client.srv_name}: no answer within {self._timeout:g} s")
+        return future.result()
+
+    def _unanswered(self, why: str) -> Refused:
+        self.problems.append(why)
+        return Refused(ErrorCode.INTERNAL, why)
+
+    def _step(self, entry: Entry) -> bytes:
+        if entry.seq not in self._inputs:
+            raise InvalidArgument(f"message seq={entry.seq}: a step without the messages it was built from")
+        pose, joints = self._inputs[entry.seq]
+        with self._arrived:
+            seen = len(self._actions)
+        self._pose.publish(pose)
+        if not self._pose.wait_for_all_acked(Duration(seconds=self._timeout)):
+            raise self._unanswered(f"the node did not take the ee_pose of step seq={entry.seq}")
+        time.sleep(self._settle)
+        self._joints.publish(joints)
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: len(self._actions) > seen, self._timeout):
+                raise self._unanswered(f"no action within {self._timeout:g} s for step seq={entry.seq}: the node "
+                                       "dropped the observation (its log says why)")
+            if len(self._actions) > seen + 1:
+                raise self._unanswered(f"{len(self._actions) - seen} actions for step seq={entry.seq}: another "
+                                       "publisher feeds the node")
+            return self._actions[seen]

@@ -1,0 +1,105 @@
+"""flashrt-replay --live BAG: play a recording into the running flashrt_node it recorded, over
+DDS, and judge what the node answers, with the verdicts and exit status of flashrt-replay.
+
+BAG is a recording of the node's topics and service events (as ``ros2 bag record`` writes it,
+with service_introspection=contents) or the node's own journal bag, which holds the same
+topics; a journal bag with Generate goals or spill changes is refused, since those are not
+played (replay it in-process). The node is found by the name its session record gives, in this
+process's ROS domain; see ``live_replay`` for what it must start from.
+
+--verdict auto applies exact when the live node's session record states the recording's
+platform, portable otherwise. Exit status: 0 the verdict passes, 1 it fails, 2 the bag cannot
+be played (unreadable, foreign, or the node is not there, not the recorded model, or not
+started as the recorded one was).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import InvalidArgument
+from ..replay.bag import is_journal_bag, read_bag
+from ..replay.cli import parser, print_verdicts, read_recorded, write_report
+from ..replay.journal import check_entries, judge_on
+from ..replay.recording import RECORDED_OUTPUTS
+from ..replay.session import platform_differences, platform_in
+from ..replay.verdicts import Tolerance
+from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP
+from .live_replay import LiveNode
+
+_PLAYED = {STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        tolerance = Tolerance(args.margin_tol, args.action_atol, args.action_rtol)
+        if args.timeout <= 0 or args.settle_ms < 0:
+            raise InvalidArgument("--timeout must be > 0 and --settle-ms >= 0")
+        if is_journal_bag(args.bag):
+            unplayed = sorted({e.kind for e in read_bag(args.bag).entries} - _PLAYED)
+            if unplayed:
+                raise InvalidArgument(f"the journal holds {', '.join(unplayed)} operations, which a live replay "
+                                      "does not play: replay it in-process (without --live)")
+        recording = read_recorded(args.bag, args.session)
+        journal = recording.journal
+        check_entries(journal.entries, RECORDED_OUTPUTS)
+    except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read
+        print(f"flashrt-replay --live: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    recorded = journal.session
+    node = LiveNode(recorded, recording.inputs, args.timeout, args.settle_ms / 1000)
+    try:
+        try:
+            live = node.connect()
+            _check_start(recorded, live)
+        except InvalidArgument as exc:
+            print(f"flashrt-replay --live: cannot replay {args.bag} into {recorded['node']}: {exc}", file=sys.stderr)
+            return 2
+        here = platform_in(live)
+        differences = platform_differences(recorded, here)
+        verdict = args.verdict if args.verdict != "auto" else ("portable" if differences else "exact")
+        print(f"playing {len(journal.entries)} operations from {args.bag} into the live node {recorded['node']} "
+              f"({recording.dropped_observations} observations with no action and {recording.skipped_calls} calls "
+              f"that reached no engine left out" + "".join(f"; {note}" for note in recording.notes) + ")")
+        print("platform: the recording's" if not differences else "platform differs: " + "; ".join(differences))
+        report = judge_on(journal.entries, node, tolerance, outputs=RECORDED_OUTPUTS)
+    finally:
+        node.close()
+    for problem in node.problems:
+        print(f"live node: {problem}", file=sys.stderr)
+    if args.report:
+        write_report(Path(args.report), journal.entries, report)
+    print_verdicts(report, tolerance, verdict, recorded, here, "operation")
+    return 0 if (report.exact if verdict == "exact" else report.portable) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = parser("flashrt-replay --live", __doc__, in_process=False)
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait for the node to come up, and for each of its answers (default 30)")
+    p.add_argument("--settle-ms", type=float, default=20.0,
+                   help="milliseconds between a step's pose, once the node acknowledged it, and its joint state "
+                   "(default 20): the node pairs a joint state with the latest pose it took")
+    return p
+
+
+def _check_start(recorded: dict, live: dict) -> None:
+    """InvalidArgument when the live node does not serve what the recorded one served, from
+    the state it started in."""
+    for key in ("model_fingerprint", "layout_fingerprint"):
+        if live.get(key) != recorded.get(key):
+            raise InvalidArgument(f"its {key} {str(live.get(key))[:12]} is not the recorded "
+                                  f"{str(recorded.get(key))[:12]}: another model or layout")
+    for key in ("joint_names", "joint_states_topic", "ee_pose_topic", "action_topic", "default_tier"):
+        if live.get(key) != recorded.get(key):
+            raise InvalidArgument(f"it serves {key}={live.get(key)!r}, the recorded node {recorded.get(key)!r}")
+    found = {c["id"]: c["digest"] for c in live.get("preloaded", [])}
+    wanted = {c["id"]: c["digest"] for c in recorded.get("preloaded", [])}
+    if found != wanted:
+        raise InvalidArgument(f"it started with disk capsules {sorted(found)}, the recorded one with {sorted(wanted)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
