@@ -21,6 +21,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 9
     PREEMPTED = 10
     UNTRUSTED_CAPSULE = 11
+    CONTEXT_FULL = 12
 
 
 def shown(value: object, limit: int = 80) -> str:
@@ -40,6 +41,13 @@ class InvalidArgument(FlashRTError, ValueError):
     """The caller asked for something the engine cannot do; nothing was changed."""
 
     code = ErrorCode.INVALID_ARGUMENT
+
+
+class ContextFull(InvalidArgument):
+    """The state holds max_seq_len positions: nothing more can be committed until a restore,
+    rollback or reset frees some."""
+
+    code = ErrorCode.CONTEXT_FULL
 
 
 class CheckpointError(FlashRTError):

@@ -94,6 +94,7 @@ def test_policy_steps_publish_actions_equal_to_the_engine(ros_context):
             time.sleep(0.02)
         time.sleep(0.3)
         joints.publish(_joint_state([0.1] * 7))      # no pose yet: dropped, counted
+        time.sleep(0.3)   # (taken before the pose below: waiting together, the pose is taken first)
         pose = _pose()
         poses.publish(pose)
         time.sleep(0.3)

@@ -570,11 +570,14 @@ def test_a_pose_from_before_cleanup_is_forgotten(live):
     from geometry_msgs.msg import PoseStamped
 
     h = live
-    h.node._on_pose(PoseStamped())
-    assert h.node._latest_pose is not None
+    io = h.node._policy_io
+    io._on_pose(PoseStamped())
+    assert io._latest_pose is not None
     h.node.trigger_deactivate()
     h.node.trigger_cleanup()
-    assert h.node._latest_pose is None
+    assert h.node._policy_io is None   # the pose went with it
+    h.node.trigger_configure()
+    assert h.node._policy_io._latest_pose is None
 
 
 @contextmanager

@@ -34,9 +34,9 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 ERROR_CODES = [
     "OK", "UNKNOWN_CAPSULE", "INVALID_ARGUMENT", "FINGERPRINT_MISMATCH", "CORRUPT_CAPSULE",
     "BUDGET_EXCEEDED", "BUSY", "NOT_ACTIVE", "IO_ERROR", "INTERNAL", "PREEMPTED",
-    "UNTRUSTED_CAPSULE",
+    "UNTRUSTED_CAPSULE", "CONTEXT_FULL",
 ]
-EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill", "digest"]
+EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill", "digest", "context_full"]
 
 CAPSULE_INFO = {
     "id": "string", "name": "string", "parent": "string", "position": "int64",

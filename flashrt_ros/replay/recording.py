@@ -29,7 +29,7 @@ from rosbags.rosbag2 import Reader
 
 from ..errors import ErrorCode, InvalidArgument
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry, Journal
-from ..serving.observation import build_observation, stamp_gap
+from ..serving.observation import build_observation, observation_size, stamp_gap
 from .bag import SESSION_TYPE, messages, session_of_message
 from .types import deserialize
 
@@ -78,6 +78,10 @@ def read_recording(path: str | Path, session: dict[str, Any] | None = None) -> R
     if not session.get("node"):
         raise InvalidArgument(f"{path}: the session record names no node (it was recorded in-process): only a "
                               "journal bag replays it")
+    if session["obs_dim"] != observation_size(len(session["joint_names"])):
+        raise InvalidArgument(f"{path}: the node's observations hold {session['obs_dim']} values, not the "
+                              f"{observation_size(len(session['joint_names']))} its joint states and pose give "
+                              "(policy.goal): such a session replays from the node's journal bag only")
     topics = {"joint_states": session["joint_states_topic"], "ee_pose": session["ee_pose_topic"],
               "action": session["action_topic"]}
     services = {f"{session['node']}/{name}/_service_event": kind for name, kind in _SERVICES.items()}

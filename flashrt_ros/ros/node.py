@@ -25,9 +25,6 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from diagnostic_msgs.msg import DiagnosticArray
-from geometry_msgs.msg import PoseStamped
-from sensor_msgs.msg import JointState
-from trajectory_msgs.msg import JointTrajectoryPoint
 
 from ..action import Generate
 from ..capsule import CapsuleInfo, signing
@@ -38,11 +35,11 @@ from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
 from ..serving import Journal, Session
 from ..serving import journal as J
-from ..serving.observation import build_observation, stamp_gap
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
 from .convert import info_msg, outcome, session_msg
 from .generation import run_generation
+from .policy_io import PolicyIO
 from .rclpy_compat import answer_invalid_transitions
 from .recorder import Recorder
 from .services import CapsuleServices
@@ -53,8 +50,8 @@ _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 _DIRTY_POLL_S = 0.05     # "on change" status goes out within this; leases end within it too
 
 
-class _LeaseEnded(NamedTuple):
-    """The answer fields an event of a lease's end carries (no request was made)."""
+class _Unrequested(NamedTuple):
+    """The answer fields of an event no request asked for (a lease ended, the state filled up)."""
 
     position: int
     message: str
@@ -79,10 +76,7 @@ class FlashRTNode(LifecycleNode):
         self._configures = 0
         self._label = "unconfigured"
         self._active = False
-        self._joint_names: list[str] = []
-        self._max_pose_age = float(self.get_parameter("policy.max_pose_age").value)
         self._generation = threading.Lock()
-        self._latest_pose: PoseStamped | None = None
         self._latencies = Latencies()
         self._counters = {"requests": 0, "failed_requests": 0, "policy_steps": 0, "rejected_observations": 0,
                           "status_failures": 0}
@@ -98,8 +92,7 @@ class FlashRTNode(LifecycleNode):
         self._generate_server = ActionServer(
             self, Generate, "~/generate", self._execute_generate, goal_callback=lambda _: GoalResponse.ACCEPT,
             cancel_callback=lambda _: CancelResponse.ACCEPT, callback_group=self._action_group)
-        self._policy_io: list = []   # made by configure, destroyed by cleanup (see _open_policy_io)
-        self._action_pub = None
+        self._policy_io: PolicyIO | None = None   # made by configure, destroyed by cleanup
         self._events = self.create_publisher(CapsuleEvent, "~/events", _EVENTS_QOS)
         self._status_pub = self.create_publisher(RuntimeStatus, "~/status", _STATUS_QOS)
         self._session_pub = self.create_publisher(JournalSession, "~/session", _STATUS_QOS)
@@ -137,7 +130,6 @@ class FlashRTNode(LifecycleNode):
             self.get_logger().error(f"configure failed: {outcome(exc)[1]}")
             return TransitionCallbackReturn.FAILURE
         self.session = Session(engine)
-        self._joint_names = list(vals["policy.joint_names"])
         engine.capsules.subscribe(self._on_store_event)
         if vals["journal_path"]:
             try:
@@ -146,7 +138,14 @@ class FlashRTNode(LifecycleNode):
                 self.get_logger().error(f"configure failed: journal_path: {outcome(exc)[1]}")
                 self._free()
                 return TransitionCallbackReturn.FAILURE
-        self._open_policy_io()
+        self._policy_io = PolicyIO(self, vals, self._policy_group, self._record, self._context_full,
+                                   self._policy_stepped, self._observation_rejected)
+        try:
+            self._policy_io.start_episodes()
+        except Exception as exc:
+            self.get_logger().error(f"configure failed: episode-start capsule: {outcome(exc)[1]}")
+            self._free()
+            return TransitionCallbackReturn.FAILURE
         self._capsule_services.introspect(self.get_clock(), vals["service_introspection"])
         try:
             self._session_pub.publish(session_msg(self._served(vals), self.get_clock().now().nanoseconds))
@@ -180,25 +179,6 @@ class FlashRTNode(LifecycleNode):
         self._active = False
         self._free()
         return self._moved("unconfigured")
-
-    def _open_policy_io(self) -> None:
-        """The policy's topics, with an engine to step (lifecycle_py: made in configure)."""
-        # The pose first: an executor that finds both waiting takes them in the order they were
-        # made, and a joint state is paired with the latest pose taken.
-        self._policy_io = [
-            self.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, 10, callback_group=self._policy_group),
-            self.create_subscription(JointState, "~/joint_states", self._on_joint_state, 10,
-                                     callback_group=self._policy_group)]
-        self._action_pub = self.create_publisher(JointTrajectoryPoint, "~/action", 10)
-
-    def _close_policy_io(self) -> None:
-        """Destroyed in cleanup and shutdown, as lifecycle_py destroys what configure made."""
-        publisher, self._action_pub = self._action_pub, None
-        entities, self._policy_io = self._policy_io, []
-        for subscription in entities:
-            self.destroy_subscription(subscription)
-        if publisher is not None:
-            self.destroy_publisher(publisher)
 
     def _moved(self, label: str) -> TransitionCallbackReturn:
         self._label = label
@@ -244,11 +224,12 @@ class FlashRTNode(LifecycleNode):
                 "ee_pose_topic": self.resolve_topic_name("~/ee_pose"), "action_topic": self.resolve_topic_name("~/action")}
 
     def _free(self) -> None:
-        self._close_policy_io()
+        io, self._policy_io = self._policy_io, None
+        if io is not None:
+            io.close()
         bag, self._bag = self._bag, None
         if self.session is not None:
             self.session.journal = None
-        self._latest_pose = None   # a pose from before cleanup must not build the next engine's first observation
         if bag is not None:
             try:
                 bag.close()
@@ -274,8 +255,8 @@ class FlashRTNode(LifecycleNode):
                 session = self.session
                 if p.name == "spill" and session is not None:
                     session.set_spill(bool(p.value))
-                elif p.name == "policy.max_pose_age":
-                    self._max_pose_age = float(p.value)
+                elif p.name == "policy.max_pose_age" and getattr(self, "_policy_io", None) is not None:
+                    self._policy_io.max_pose_age = float(p.value)   # (not while declaring)
                 elif p.name == "status_rate" and hasattr(self, "_timer_group"):  # not while declaring
                     self._restart_status_timer(p.value)
         return result
@@ -331,6 +312,10 @@ class FlashRTNode(LifecycleNode):
     @property
     def serving(self) -> bool:
         return self._active and self.session is not None
+
+    def generating(self) -> bool:
+        """Whether a generate goal is running (a policy step would interleave with its tokens)."""
+        return self._generation.locked()
 
     def _snapshot(self, request: Snapshot.Request, response: Snapshot.Response) -> Snapshot.Response:
         def call(session: Session):
@@ -438,53 +423,24 @@ class FlashRTNode(LifecycleNode):
                 raise
         return result
 
-    # ---- policy topics ------------------------------------------------------------------------------
-    def _on_pose(self, msg: PoseStamped) -> None:
-        self._record("~/ee_pose", msg)
-        self._latest_pose = msg
-
-    def _on_joint_state(self, msg: JointState) -> None:
-        self._record("~/joint_states", msg)
-        session = self.session
-        if not self._active or session is None or not session.engine.config.policy:
-            return
-        if self._latest_pose is None:
-            self._reject("no ~/ee_pose received yet; an observation needs both joint states and the pose")
-            return
-        gap = stamp_gap(msg, self._latest_pose)
-        if self._max_pose_age > 0 and gap is not None and gap > self._max_pose_age:
-            # A pose publisher that stopped would otherwise pair every new joint state with
-            # where the arm was then.
-            self._reject(f"~/ee_pose and ~/joint_states are {gap:.3f} s apart by their stamps "
-                         f"(policy.max_pose_age {self._max_pose_age:g} s)")
-            return
-        try:
-            obs = build_observation(self._joint_names, msg, self._latest_pose)
-            with session.engine.lock:
-                # Checked under the engine lock, which a goal holds for each token it commits:
-                # a step now would land between two of its tokens, inside the text it returns.
-                if self._generation.locked():
-                    self._reject("a generate goal is running; a step would interleave with its tokens")
-                    return
-                action = session.step(obs)
-        except InvalidArgument as exc:
-            self._reject(str(exc))
-            return
-        except Exception as exc:  # a bad observation must never take the node down
-            self.get_logger().error(f"policy step failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
-            return
+    # ---- policy topics (PolicyIO) -------------------------------------------------------------------
+    def _policy_stepped(self) -> None:
         self._counters["policy_steps"] += 1
         self._dirty.set()   # "on change" status: sent within the poll interval, not per step
-        self._report_journal(session)
-        publisher = self._action_pub
-        if publisher is not None:
-            command = JointTrajectoryPoint(positions=action.double().tolist())
-            publisher.publish(command)
-            self._record("~/action", command)
+        self._report_journal(self.session)
 
-    def _reject(self, why: str) -> None:
+    def _observation_rejected(self) -> None:
         self._counters["rejected_observations"] += 1
-        self.get_logger().warning(f"observation dropped: {why}", throttle_duration_sec=5.0)
+
+    def _context_full(self, why: str) -> None:
+        """Said once per filling: the steps that follow are refused alike until something frees room."""
+        self.get_logger().error(f"policy: {why}; steps are refused with CONTEXT_FULL until a restore, rollback "
+                                "or new goal frees positions")
+        session = self.session
+        self._publish_event("context_full", None, _Unrequested(
+            position=session.engine.position if session is not None else 0, message=why, success=False,
+            error_code=int(ErrorCode.CONTEXT_FULL)))
+        self._dirty.set()
 
     # ---- the journal bag ---------------------------------------------------------------------------
     def _record(self, topic: str, msg: Any) -> None:
@@ -533,7 +489,7 @@ class FlashRTNode(LifecycleNode):
         if session is not None and self._active:
             try:
                 for info in session.expire():
-                    self._publish_event("drop", info, _LeaseEnded(position=session.engine.position,
+                    self._publish_event("drop", info, _Unrequested(position=session.engine.position,
                                                                    message=f"lease of capsule {info.id} ended"))
             except Exception:   # like the status: an engine fault must not stop the executor
                 if self.context.ok():

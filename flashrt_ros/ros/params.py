@@ -15,6 +15,7 @@ from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescr
                                 SetParametersResult)
 
 from ..capsule.info import TIERS
+from ..serving.observation import GOAL_SIZE
 
 DTYPES = ("float32", "bfloat16", "float16")
 INTROSPECTION = ("off", "metadata", "contents")
@@ -75,6 +76,14 @@ PARAMS = (
     Param("policy.action_dim", 7, "action size published on ~/action; 0 turns policy mode off", lo=0, hi=65536),
     Param("policy.joint_names", [f"joint{i}" for i in range(1, 8)],
           "joints read from ~/joint_states by name, in this order (obs_dim = 2 x their count + 9)"),
+    Param("policy.goal", False, "take a goal on ~/goal (PoseStamped) into the next observation: 4 more inputs "
+          "(x, y, z, then 1), zeros on every other step, so obs_dim = 2 x joints + 13; each goal starts an "
+          "episode from the state configure left (the pinned episode-start capsule)"),
+    Param("policy.frame_id", "", "frame ~/ee_pose and ~/goal must be stamped in; others are refused (empty: "
+          "not checked)", read_only=False),
+    Param("policy.input_reliability", "reliable", "QoS reliability of ~/joint_states and ~/ee_pose: "
+          "best_effort also takes sensor-data (best-effort) publishers; reliable takes reliable ones only",
+          choices=("reliable", "best_effort")),
     Param("policy.max_pose_age", 0.5, "seconds an ~/ee_pose may be apart from the ~/joint_states it is paired "
           "with, by their header stamps (unstamped messages are not checked); 0 = no check", read_only=False,
           lo=0.0, hi=3600.0),
@@ -156,9 +165,10 @@ def check_together(vals: dict[str, Any]) -> str:
     if (obs == 0) != (act == 0):
         return f"policy.obs_dim={obs} and policy.action_dim={act}: both > 0, or both 0 to turn policy mode off"
     joints = vals["policy.joint_names"]
-    if obs and obs != 2 * len(joints) + 9:
+    extra = GOAL_SIZE if vals["policy.goal"] else 0
+    if obs and obs != 2 * len(joints) + 9 + extra:
         return (f"policy.obs_dim={obs} does not fit {len(joints)} joint names "
-                f"(2 x {len(joints)} + 9 = {2 * len(joints) + 9})")
+                f"(2 x {len(joints)} + 9{' + 4 (the goal)' if extra else ''} = {2 * len(joints) + 9 + extra})")
     return ""
 
 

@@ -71,6 +71,10 @@ def diagnostics_msg(node_name: str, status: RuntimeStatus, latencies: Latencies,
             values.append(KeyValue(key=f"{tier}_bytes", value=f"{used}/{budget}"))
             if budget and used > _FULL * budget and level == DiagnosticStatus.OK:
                 level, message = DiagnosticStatus.WARN, f"{tier} tier above {_FULL:.0%} of its budget"
+        if status.max_seq_len and status.position >= status.max_seq_len:
+            level, message = DiagnosticStatus.ERROR, (f"context full: position {status.position} of max_seq_len "
+                                                      f"{status.max_seq_len}; steps and tokens are refused with "
+                                                      "CONTEXT_FULL until a restore, rollback or reset frees room")
     for kind, (p50, p99, n) in sorted(latencies.percentiles().items()):
         values.append(KeyValue(key=f"{kind}_latency_ms", value=f"p50 {p50:.3f} p99 {p99:.3f} (n={n})"))
     values += [KeyValue(key=k, value=str(v)) for k, v in sorted(counters.items())]

@@ -18,7 +18,7 @@ import torch
 from .. import digest
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..capsule.errors import CapsuleError, CorruptCapsule
-from ..errors import FlashRTError, InvalidArgument, Preempted, shown
+from ..errors import ContextFull, FlashRTError, InvalidArgument, Preempted, shown
 from . import inputs, weights as weights_io
 from .arena import GROUPS, StateArena
 from .backends import cpu as cpu_backend
@@ -650,7 +650,7 @@ class Engine:
     # ---- checks --------------------------------------------------------------------------------
     def _check_room(self, n: int) -> None:
         if self._state.position + n > self.max_seq_len:
-            raise InvalidArgument(
+            raise ContextFull(
                 f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
                 f"(position is {self._state.position})")
 

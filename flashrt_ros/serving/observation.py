@@ -53,11 +53,33 @@ def build_observation(joint_names: Sequence[str], joint_state, pose_stamped) -> 
     velocity = (np.asarray(joint_state.velocity, dtype=np.float64)[rows] if len(joint_state.velocity)
                 else np.zeros(len(rows)))
     p, q = pose_stamped.pose.position, pose_stamped.pose.orientation
-    norm = math.sqrt(q.w * q.w + q.x * q.x + q.y * q.y + q.z * q.z)
+    return observation_of(position, velocity, (p.x, p.y, p.z), (q.w, q.x, q.y, q.z))
+
+
+def observation_of(position: Sequence[float], velocity: Sequence[float], ee_position: Sequence[float],
+                   ee_quaternion: Sequence[float]) -> np.ndarray:
+    """The same from arrays: joint positions and velocities in the policy's order, the end
+    effector's position and its (w, x, y, z) orientation."""
+    w, x, y, z = (float(v) for v in ee_quaternion)
+    norm = math.sqrt(w * w + x * x + y * y + z * z)
     if not math.isfinite(norm) or norm < 1e-6:
         raise InvalidArgument(f"ee_pose orientation is not a rotation (quaternion norm {norm})")
-    rotation = quat2mat([q.w / norm, q.x / norm, q.y / norm, q.z / norm])
-    obs = np.concatenate([position, velocity, [p.x, p.y, p.z], rotation[:, 0], rotation[:, 1]])
+    rotation = quat2mat([w / norm, x / norm, y / norm, z / norm])
+    obs = np.concatenate([np.asarray(position, dtype=np.float64), np.asarray(velocity, dtype=np.float64),
+                          np.asarray(ee_position, dtype=np.float64), rotation[:, 0], rotation[:, 1]])
     if not np.isfinite(obs).all():
         raise InvalidArgument("observation contains NaN or infinity")
     return obs.astype(np.float32)
+
+
+GOAL_SIZE = 4   # x, y, z of the goal position, then 1 on the step that takes it in (else all 0)
+
+
+def with_goal(observation: np.ndarray, goal: Sequence[float] | None) -> np.ndarray:
+    """``observation`` followed by the goal block: the goal on the one step it is given, zeros
+    on every other, so that a policy must keep it in its state."""
+    block = np.zeros(GOAL_SIZE, dtype=np.float32) if goal is None else \
+        np.array([*goal, 1.0], dtype=np.float64).astype(np.float32)
+    if block.shape != (GOAL_SIZE,) or not np.isfinite(block).all():
+        raise InvalidArgument(f"a goal is a finite (x, y, z), got {goal!r}")
+    return np.concatenate([observation, block])

@@ -1,0 +1,168 @@
+"""The policy's topics: observations in, actions out, one committed step per joint state.
+
+In:  ~/ee_pose (PoseStamped) and ~/joint_states (JointState), with the QoS reliability of
+     ``policy.input_reliability``: best_effort also takes sensor-data publishers, reliable
+     only reliable ones; with ``policy.goal``, ~/goal (PoseStamped, reliable), taken into the
+     next observation only. Poses and goals in another frame than ``policy.frame_id`` are refused.
+Out: ~/action (JointTrajectoryPoint, the action vector as the engine gave it) and, when the
+     action is a position per joint, ~/joint_trajectory (JointTrajectory): the command a
+     ros2_control joint_trajectory_controller (or the simulated arm) takes, with the joint
+     names and, as its stamp, the stamp of the joint state it answers.
+
+With ``policy.goal`` each goal starts an episode: the state is restored from the capsule made
+at configure, before anything was committed ("episode-start", pinned), so that a robot can run
+for hours while every episode's context stays within max_seq_len. When the state is full
+anyway, the step is refused with CONTEXT_FULL, said once per filling on ~/events and at ERROR
+on /diagnostics, until a restore, rollback or goal frees it.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from geometry_msgs.msg import PoseStamped
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import JointState
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+from ..errors import ContextFull, InvalidArgument
+from ..serving.observation import build_observation, stamp_gap, with_goal
+from .convert import outcome
+
+EPISODE_CAPSULE = "episode-start"
+
+
+class PolicyIO:
+    """Made at configure with the node's policy parameters; ``close`` destroys what it made."""
+
+    def __init__(self, node: Any, vals: dict[str, Any], callback_group: Any, record: Callable[[str, Any], None],
+                 on_full: Callable[[str], None], on_step: Callable[[], None], on_reject: Callable[[], None]) -> None:
+        self._node, self._record, self._on_full = node, record, on_full
+        self._on_step, self._on_reject = on_step, on_reject
+        self.joint_names = list(vals["policy.joint_names"])
+        self.max_pose_age = float(vals["policy.max_pose_age"])
+        self._frame = vals["policy.frame_id"]
+        self._goal_mode = bool(vals["policy.goal"])
+        self._latest_pose: PoseStamped | None = None
+        self._goal: tuple[float, float, float] | None = None
+        self._full = False
+        reliability = (ReliabilityPolicy.BEST_EFFORT if vals["policy.input_reliability"] == "best_effort"
+                       else ReliabilityPolicy.RELIABLE)
+        qos = QoSProfile(depth=10, reliability=reliability)
+        # The pose first: an executor that finds both waiting takes them in the order they were
+        # made, and a joint state is paired with the latest pose taken.
+        self._subscriptions = [
+            node.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, qos, callback_group=callback_group),
+            node.create_subscription(JointState, "~/joint_states", self._on_joint_state, qos,
+                                     callback_group=callback_group)]
+        if self._goal_mode:
+            self._subscriptions.append(node.create_subscription(PoseStamped, "~/goal", self._on_goal, 10,
+                                                                callback_group=callback_group))
+        self._action = node.create_publisher(JointTrajectoryPoint, "~/action", 10)
+        self._trajectory = (node.create_publisher(JointTrajectory, "~/joint_trajectory", 10)
+                            if vals["policy.action_dim"] == len(self.joint_names) else None)
+
+    def close(self) -> None:
+        for subscription in self._subscriptions:
+            self._node.destroy_subscription(subscription)
+        self._subscriptions = []
+        for publisher in (self._action, self._trajectory):
+            if publisher is not None:
+                self._node.destroy_publisher(publisher)
+        self._action = self._trajectory = None
+
+    def start_episodes(self) -> None:
+        """With goals: the capsule each goal restores (the state as configure left it)."""
+        if self._goal_mode:
+            self._node.session.snapshot(name=EPISODE_CAPSULE, pin=True)
+
+    # ---- inputs -------------------------------------------------------------------------------------
+    def _in_frame(self, msg: PoseStamped, topic: str) -> bool:
+        if self._frame and msg.header.frame_id != self._frame:
+            self._reject(f"{topic} is in frame {msg.header.frame_id!r}, the policy's is {self._frame!r} "
+                         "(policy.frame_id)")
+            return False
+        return True
+
+    def _on_pose(self, msg: PoseStamped) -> None:
+        self._record("~/ee_pose", msg)
+        if self._in_frame(msg, "~/ee_pose"):
+            self._latest_pose = msg
+
+    def _on_goal(self, msg: PoseStamped) -> None:
+        self._record("~/goal", msg)
+        node = self._node
+        session = node.session
+        if not node.serving or session is None or not self._in_frame(msg, "~/goal"):
+            return
+        p = msg.pose.position
+        try:
+            goal = (float(p.x), float(p.y), float(p.z))
+            with_goal(np.zeros(0, dtype=np.float32), goal)   # finite, or refused here
+            episode = next(c for c in session.list() if c.name == EPISODE_CAPSULE)
+            session.restore(episode.id)
+        except (InvalidArgument, StopIteration) as exc:
+            self._reject(f"goal refused: {exc or 'the episode-start capsule is gone'}")
+            return
+        self._goal, self._full = goal, False
+
+    def _on_joint_state(self, msg: JointState) -> None:
+        self._record("~/joint_states", msg)
+        node = self._node
+        session = node.session
+        if not node.serving or session is None or not session.engine.config.policy:
+            return
+        pose = self._latest_pose
+        if pose is None:
+            self._reject("no ~/ee_pose received yet; an observation needs both joint states and the pose")
+            return
+        gap = stamp_gap(msg, pose)
+        if self.max_pose_age > 0 and gap is not None and gap > self.max_pose_age:
+            # A pose publisher that stopped would otherwise pair every new joint state with
+            # where the arm was then.
+            self._reject(f"~/ee_pose and ~/joint_states are {gap:.3f} s apart by their stamps "
+                         f"(policy.max_pose_age {self.max_pose_age:g} s)")
+            return
+        try:
+            obs = build_observation(self.joint_names, msg, pose)
+            if self._goal_mode:
+                obs = with_goal(obs, self._goal)
+            with session.engine.lock:
+                # Checked under the engine lock, which a goal holds for each token it commits:
+                # a step now would land between two of its tokens, inside the text it returns.
+                if node.generating():
+                    self._reject("a generate goal is running; a step would interleave with its tokens")
+                    return
+                action = session.step(obs)
+        except ContextFull as exc:
+            if not self._full:
+                self._full = True
+                self._on_full(str(exc))
+            self._reject(str(exc))
+            return
+        except InvalidArgument as exc:
+            self._reject(str(exc))
+            return
+        except Exception as exc:  # a bad observation must never take the node down
+            node.get_logger().error(f"policy step failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
+            return
+        self._goal, self._full = None, False
+        self._on_step()
+        self._publish(action.double().tolist(), msg)
+
+    def _publish(self, positions: list[float], answered: JointState) -> None:
+        if self._action is not None:
+            command = JointTrajectoryPoint(positions=positions)
+            self._action.publish(command)
+            self._record("~/action", command)
+        if self._trajectory is not None:
+            trajectory = JointTrajectory(joint_names=self.joint_names,
+                                         points=[JointTrajectoryPoint(positions=positions)])
+            trajectory.header.stamp = answered.header.stamp
+            self._trajectory.publish(trajectory)
+
+    def _reject(self, why: str) -> None:
+        self._on_reject()
+        self._node.get_logger().warning(f"observation dropped: {why}", throttle_duration_sec=5.0)

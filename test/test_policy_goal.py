@@ -1,0 +1,121 @@
+"""The policy node's goal mode, commands and limits, over real DDS: a goal starts an episode and
+reaches the next observation only; commands are JointTrajectory messages named and stamped; a
+pose in another frame is refused; a full context is said once, with CONTEXT_FULL."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("rclpy")
+
+from flashrt_ros.errors import ErrorCode  # noqa: E402
+from ros_harness import Harness  # noqa: E402
+
+JOINTS = ["joint1", "joint2", "joint3"]
+GOAL_MODE = {"policy.obs_dim": 19, "policy.action_dim": 3, "policy.joint_names": JOINTS, "policy.goal": True,
+             "policy.frame_id": "base_link"}
+
+
+def _messages(h, stamp_s: float, frame: str = "base_link"):
+    from builtin_interfaces.msg import Time
+    from geometry_msgs.msg import PoseStamped
+    from sensor_msgs.msg import JointState
+
+    stamp = Time(sec=int(stamp_s), nanosec=int(round((stamp_s % 1) * 1e9)))
+    pose = PoseStamped()
+    pose.header.stamp, pose.header.frame_id = stamp, frame
+    pose.pose.position.x, pose.pose.orientation.w = 0.4, 1.0
+    state = JointState(name=JOINTS, position=[0.1, 0.2, 0.3], velocity=[0.0] * 3)
+    state.header.stamp = stamp
+    return pose, state
+
+
+def _until(predicate, timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_context):
+    from geometry_msgs.msg import PoseStamped
+    from trajectory_msgs.msg import JointTrajectory
+
+    from flashrt_ros.serving.journal import Journal
+
+    h = Harness(ros_context, GOAL_MODE)
+    try:
+        journal = Journal()
+        h.node.session.journal = journal
+        commands = []
+        heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 50)
+        goals = h.client.create_publisher(PoseStamped, "/flashrt/goal", 10)
+        joints, poses = h.policy_publishers()
+        _until(lambda: goals.get_subscription_count() > 0 and heard.get_publisher_count() > 0, what="matched")
+        assert [c.name for c in h.node.session.list()] == ["episode-start"]   # made at configure, pinned
+
+        def step(t: float, frame: str = "base_link", answered: bool = True) -> None:
+            """One period of a robot's state publisher, the next once the policy has answered."""
+            pose, state = _messages(h, t, frame)
+            n = len(commands)
+            poses.publish(pose)
+            time.sleep(0.1)   # taken before the joint state (the node pairs the latest pose)
+            joints.publish(state)
+            if answered:
+                _until(lambda: len(commands) == n + 1, what=f"the command answering t={t}")
+
+        for k in range(3):   # an episode before any goal
+            step(1.0 + k)
+        assert h.node.engine.position == 3
+        goal = PoseStamped()
+        goal.header.frame_id = "base_link"
+        goal.pose.position.x, goal.pose.position.y = -0.2, 0.4
+        goals.publish(goal)
+        _until(lambda: h.node.engine.position == 0, what="the goal restores the episode start")
+        for k in range(3):
+            step(10.0 + k)
+        steps = [e for e in journal.entries if e.kind == "step"]
+        assert [s.request["observation"][-4:] for s in steps[-3:]] == [
+            pytest.approx([-0.2, 0.4, 0.0, 1.0]), [0.0] * 4, [0.0] * 4]
+        assert [e.kind for e in journal.entries].count("restore") == 1
+        last = commands[-1]
+        assert list(last.joint_names) == JOINTS and len(last.points) == 1 and len(last.points[0].positions) == 3
+        assert (last.header.stamp.sec, last.header.stamp.nanosec) == (12, 0)   # the joint state it answers
+
+        rejected = h.node._counters["rejected_observations"]
+        step(20.0, frame="world", answered=False)   # the pose is refused: the joint state is too far from the last
+        _until(lambda: h.node._counters["rejected_observations"] > rejected, what="a refusal")
+    finally:
+        h.close()
+
+
+def test_a_full_context_is_said_once_with_context_full(ros_context):
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+
+    from flashrt_ros.msg import CapsuleEvent
+
+    h = Harness(ros_context, {**GOAL_MODE, "policy.goal": False, "policy.obs_dim": 15, "max_seq_len": 16,
+                              "status_rate": 20.0})
+    try:
+        events, diagnostics = [], []
+        h.client.create_subscription(CapsuleEvent, "/flashrt/events", events.append, 50)
+        h.client.create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, 50)
+        joints, poses = h.policy_publishers()
+        pose, _ = _messages(h, 1.0)
+        poses.publish(pose)
+        time.sleep(0.2)
+        for k in range(19):
+            joints.publish(_messages(h, 1.0)[1])
+            time.sleep(0.05)
+        _until(lambda: h.node._counters["rejected_observations"] == 3, what="three refused steps")
+        assert h.node.engine.position == 16
+        full = [e for e in events if e.kind == "context_full"]
+        assert len(full) == 1 and full[0].error_code == ErrorCode.CONTEXT_FULL and "max_seq_len=16" in full[0].message
+        _until(lambda: any(s.level == DiagnosticStatus.ERROR and "context full" in s.message
+                           for d in diagnostics for s in d.status), what="an ERROR on /diagnostics")
+        assert h.call("rollback", steps=2).success   # room again: steps are taken
+        joints.publish(_messages(h, 1.0)[1])
+        _until(lambda: h.node.engine.position == 15, what="a step after the rollback")
+    finally:
+        h.close()
