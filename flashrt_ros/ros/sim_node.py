@@ -1,0 +1,185 @@
+"""flashrt_sim: the simulated arm (``sim.arm``) as a ROS 2 node, headless.
+
+Publishes, stamped with simulation time, once per control period:
+  joint_states   sensor_msgs/JointState (joint1..joint3: position, velocity)
+  ee_pose        geometry_msgs/PoseStamped of the end effector, in frame ``frame_id``
+  /clock         rosgraph_msgs/Clock, so that nodes run with use_sim_time
+  ~/episode_goal geometry_msgs/PoseStamped, transient local: the goal of the episode, for the
+                 task giver (a behaviour tree) and the scripted expert; a policy never reads it
+Takes joint_trajectory (trajectory_msgs/JointTrajectory): what joint_trajectory_controller of
+ros2_control takes, chosen over a forward controller's Float64MultiArray because it names its
+joints and carries a stamp, so that a command can be checked against the arm and its age. The
+first point's positions are the targets for the next control period. A command is refused, with
+a logged reason, and the targets stay as they were, when its joint names are not the arm's, a
+value is NaN or out of range, or its stamp is more than ``max_command_age`` s of simulation
+time old (an unstamped command, stamp zero, means "now", as the message defines).
+
+Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` at rest; ~/jam
+(std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it.
+
+Time: with ``lockstep`` true, a control period is stepped once a valid command answering the
+latest state has come (its stamp is that state's): deterministic for a seed, and as fast as the
+policy answers. Otherwise a wall-clock timer steps it, ``speed`` times faster than real time.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import rclpy
+from builtin_interfaces.msg import Time
+from geometry_msgs.msg import PoseStamped
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rosgraph_msgs.msg import Clock
+from sensor_msgs.msg import JointState
+from std_srvs.srv import SetBool, Trigger
+from trajectory_msgs.msg import JointTrajectory
+
+from ..errors import InvalidArgument
+from ..sim.arm import JOINT_NAMES, Arm, ArmState
+from ..sim.task import Episode
+from .spinning import spin_until_shutdown
+
+_LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
+
+
+def stamp_of(seconds: float) -> Time:
+    ns = round(seconds * 1e9)
+    return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+
+def seconds_of(stamp: Time) -> float:
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+class SimNode(Node):
+    def __init__(self, node_name: str = "flashrt_sim", **kwargs: Any) -> None:
+        super().__init__(node_name, **kwargs)
+        self.declare_parameter("seed", 0)
+        self.declare_parameter("speed", 1.0)
+        self.declare_parameter("lockstep", False)
+        self.declare_parameter("frame_id", "base_link")
+        self.declare_parameter("max_command_age", 0.5)
+        self.arm = Arm()
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._state: ArmState | None = None
+        self._joints = self.create_publisher(JointState, "joint_states", 10)
+        self._pose = self.create_publisher(PoseStamped, "ee_pose", 10)
+        self._clock = self.create_publisher(Clock, "/clock", 10)
+        self._goal = self.create_publisher(PoseStamped, "~/episode_goal", _LATCHED)
+        self.create_subscription(JointTrajectory, "joint_trajectory", self._on_command, 10)
+        self.create_service(Trigger, "~/reset", self._on_reset)
+        self.create_service(SetBool, "~/jam", self._on_jam)
+        speed = float(self.get_parameter("speed").value)
+        self._lockstep = bool(self.get_parameter("lockstep").value)
+        if not self._lockstep:
+            if speed <= 0:
+                raise InvalidArgument(f"speed must be > 0 (a multiple of real time), got {speed}")
+            self.create_timer(self.arm.period / speed, self._tick)
+        self._reset()
+
+    # ---- episodes and disturbances ------------------------------------------------------------------
+    def _reset(self) -> ArmState:
+        episode = Episode.sample(int(self.get_parameter("seed").value))
+        with self._lock:
+            self._state = self.arm.reset(episode.start)
+            goal = PoseStamped()
+            goal.header.frame_id = self.get_parameter("frame_id").value
+            goal.header.stamp = stamp_of(0.0)
+            goal.pose.position.x, goal.pose.position.y, goal.pose.position.z = (float(v) for v in episode.goal)
+            goal.pose.orientation.w = 1.0
+            self._goal.publish(goal)
+            self._publish(self._state)
+            return self._state
+
+    def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        self._reset()
+        response.success, response.message = True, f"episode seed {self.get_parameter('seed').value} at rest"
+        return response
+
+    def _on_jam(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
+        with self._lock:
+            if request.data:
+                self.arm.block(0)
+            else:
+                self.arm.unblock()
+        response.success, response.message = True, "joint1 jammed" if request.data else "joint1 free"
+        return response
+
+    # ---- commands -----------------------------------------------------------------------------------
+    def _on_command(self, msg: JointTrajectory) -> None:
+        try:
+            target = self._check(msg)
+        except InvalidArgument as exc:
+            self.refused += 1
+            self.get_logger().warning(f"command refused: {exc}", throttle_duration_sec=2.0)
+            return
+        with self._lock:
+            self.arm.command(target)
+            answers = self._state is not None and msg.header.stamp == stamp_of(self._state.time)
+            if self._lockstep and answers:
+                self._state = self.arm.advance()
+                self._publish(self._state)
+
+    def _check(self, msg: JointTrajectory) -> Any:
+        if not msg.points:
+            raise InvalidArgument("a trajectory without points")
+        target = self.arm.check_command(msg.joint_names, msg.points[0].positions)
+        age_limit = float(self.get_parameter("max_command_age").value)
+        stamped = msg.header.stamp.sec or msg.header.stamp.nanosec
+        with self._lock:
+            now = self.arm.state().time
+        if age_limit > 0 and stamped and now - seconds_of(msg.header.stamp) > age_limit:
+            raise InvalidArgument(f"stamped {now - seconds_of(msg.header.stamp):.3f} s of simulation time ago "
+                                  f"(max_command_age {age_limit:g} s)")
+        return target
+
+    # ---- time ---------------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        with self._lock:
+            self._state = self.arm.advance()
+            self._publish(self._state)
+
+    def _publish(self, state: ArmState) -> None:
+        stamp = stamp_of(state.time)
+        self._clock.publish(Clock(clock=stamp))
+        joints = JointState(name=list(JOINT_NAMES), position=state.position.tolist(), velocity=state.velocity.tolist())
+        joints.header.stamp = stamp
+        pose = PoseStamped()
+        pose.header.stamp, pose.header.frame_id = stamp, self.get_parameter("frame_id").value
+        pose.pose.position.x, pose.pose.position.y, pose.pose.position.z = (float(v) for v in state.ee_position)
+        w, x, y, z = (float(v) for v in state.ee_quaternion)
+        pose.pose.orientation.w, pose.pose.orientation.x, pose.pose.orientation.y, pose.pose.orientation.z = w, x, y, z
+        # The pose first: the policy node pairs a joint state with the latest pose it took.
+        self._pose.publish(pose)
+        self._joints.publish(joints)
+
+
+def main(argv: list[str] | None = None) -> int:
+    rclpy.init(args=argv if argv is not None else sys.argv)
+    node = None
+    try:
+        try:
+            node = SimNode()
+        except Exception as exc:  # a bad parameter: refused with its reason
+            print(f"flashrt_sim: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        executor = SingleThreadedExecutor()
+        executor.add_node(node)
+        spin_until_shutdown(executor, node.context,
+                            lambda trace: node.get_logger().error(f"a callback failed; stepping on:\n{trace}"))
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

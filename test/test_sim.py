@@ -1,0 +1,150 @@
+"""The simulated arm (MuJoCo) and its node: deterministic, refusing bad commands, over real DDS."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mujoco")
+
+from flashrt_ros.errors import InvalidArgument  # noqa: E402
+from flashrt_ros.sim.arm import JOINT_NAMES, Arm  # noqa: E402
+from flashrt_ros.sim.task import ATTEMPT_STEPS, SUCCESS_RADIUS_M, Episode, distance, expert  # noqa: E402
+
+
+def _run(seed: int, jam: bool = False) -> list[np.ndarray]:
+    arm = Arm()
+    episode = Episode.sample(seed)
+    state = arm.reset(episode.start)
+    out = []
+    for t in range(ATTEMPT_STEPS):
+        if jam and t == 2:
+            arm.block(0)
+        arm.command(expert(state, episode.goal))
+        state = arm.advance()
+        out.append(np.concatenate([state.position, state.velocity, state.ee_position]))
+    return out
+
+
+def test_the_arm_is_deterministic_for_a_seed_and_the_expert_reaches_unless_jammed():
+    first, again = _run(3), _run(3)
+    assert all((a == b).all() for a, b in zip(first, again))   # bit for bit
+    reached = jammed = 0
+    for seed in range(20):
+        episode = Episode.sample(seed)
+        arm = Arm()
+        for jam in (False, True):
+            state = arm.reset(episode.start)
+            for t in range(ATTEMPT_STEPS):
+                if jam and t == 2:
+                    arm.block(0)
+                arm.command(expert(state, episode.goal))
+                state = arm.advance()
+            if jam:
+                jammed += distance(state, episode.goal) < SUCCESS_RADIUS_M
+            else:
+                reached += distance(state, episode.goal) < SUCCESS_RADIUS_M
+    # The task's premise: the expert always reaches, and a jammed shoulder always makes it miss.
+    assert reached == 20 and jammed == 0
+
+
+@pytest.mark.parametrize("names, positions, why", [
+    (["joint1", "joint2", "elbow"], [0.0, 0.0, 0.0], "names joints"),
+    (list(JOINT_NAMES), [0.0, float("nan"), 0.0], "NaN"),
+    (list(JOINT_NAMES), [0.0, 3.5, 0.0], "outside"),
+    (list(JOINT_NAMES), [0.0, 0.0], "positions"),
+])
+def test_bad_commands_are_refused_with_the_reason(names, positions, why):
+    with pytest.raises(InvalidArgument, match=why):
+        Arm().check_command(names, positions)
+
+
+def test_a_command_in_another_joint_order_is_taken_by_name():
+    target = Arm().check_command(["joint3", "joint1", "joint2"], [0.3, 0.1, 0.2])
+    assert target.tolist() == [0.1, 0.2, 0.3]
+
+
+def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(ros_context):
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+    from rclpy.qos import DurabilityPolicy, QoSProfile
+    from geometry_msgs.msg import PoseStamped
+    from rosgraph_msgs.msg import Clock
+    from sensor_msgs.msg import JointState
+    from std_srvs.srv import SetBool, Trigger
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+    import rclpy
+
+    from flashrt_ros.ros.sim_node import SimNode
+    from ros_harness import wait_future
+
+    sim = SimNode(context=ros_context, parameter_overrides=[Parameter("lockstep", value=True),
+                                                            Parameter("seed", value=4)])
+    client = rclpy.create_node("sim_client", context=ros_context)
+    states, clocks, goals = [], [], []
+    client.create_subscription(JointState, "/joint_states", states.append, 50)
+    client.create_subscription(Clock, "/clock", clocks.append, 50)
+    client.create_subscription(PoseStamped, "/flashrt_sim/episode_goal", goals.append,
+                               QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+    commands = client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
+    jam = client.create_client(SetBool, "/flashrt_sim/jam")
+    executor = SingleThreadedExecutor(context=ros_context)
+    executor.add_node(sim)
+    executor.add_node(client)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+
+    def wait(what, n, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while len(what) < n:
+            assert time.monotonic() < deadline, f"{len(what)} of {n}"
+            time.sleep(0.01)
+
+    def command(positions, names=JOINT_NAMES, stamp=None):
+        msg = JointTrajectory(joint_names=list(names), points=[JointTrajectoryPoint(positions=list(positions))])
+        msg.header.stamp = states[-1].header.stamp if stamp is None else stamp
+        commands.publish(msg)
+
+    try:
+        deadline = time.monotonic() + 10
+        while sim.count_subscribers("/joint_trajectory") == 0 or client.count_publishers("/joint_states") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        reset = client.create_client(Trigger, "/flashrt_sim/reset")
+        assert reset.wait_for_service(timeout_sec=10)
+        assert wait_future(reset.call_async(Trigger.Request())).success
+        wait(states, 1)
+        wait(goals, 1)
+        goal = np.array([goals[-1].pose.position.x, goals[-1].pose.position.y, 0.0])
+        assert np.allclose(goal, Episode.sample(4).goal)
+        for k in range(12):   # each answer to the latest state steps one control period
+            state = states[-1]
+            command(np.asarray(state.position) + 0.1)
+            wait(states, len(states) + 1)
+        stamp = states[-1].header.stamp   # twelve control periods of 0.05 s of simulation time
+        assert (stamp.sec, stamp.nanosec) == (0, 600_000_000)
+        assert clocks and clocks[-1].clock == states[-1].header.stamp
+        n = len(states)
+        command([0.0, float("nan"), 0.0])
+        command([0.0, 0.0, 0.0], names=["a", "b", "c"])
+        old = states[-1].header.stamp.__class__(sec=0, nanosec=1)   # 0.6 s ago: older than max_command_age
+        command([0.0, 0.0, 0.0], stamp=old)
+        deadline = time.monotonic() + 5
+        while sim.refused < 3:
+            assert time.monotonic() < deadline, f"refused {sim.refused}"
+            time.sleep(0.01)
+        assert len(states) == n   # refused: no step
+        assert wait_future(jam.call_async(SetBool.Request(data=True))).success
+        held = states[-1].position[0]
+        for _ in range(3):
+            command([held + 1.0, 0.0, 0.0])
+            wait(states, len(states) + 1)
+        assert abs(states[-1].position[0] - held) < 1e-3   # jammed
+    finally:
+        executor.shutdown()
+        spinner.join(5)
+        sim.destroy_node()
+        client.destroy_node()
