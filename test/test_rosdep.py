@@ -21,11 +21,11 @@ IMPORTS = {
     "rclpy": "rclpy", "rcl_interfaces": "rcl_interfaces", "builtin_interfaces": "builtin_interfaces",
     "action_msgs": "action_msgs", "std_srvs": "std_srvs", "sensor_msgs": "sensor_msgs",
     "geometry_msgs": "geometry_msgs", "trajectory_msgs": "trajectory_msgs", "diagnostic_msgs": "diagnostic_msgs",
-    "service_msgs": "service_msgs",
+    "service_msgs": "service_msgs", "rosgraph_msgs": "rosgraph_msgs", "mujoco": "python3-mujoco-pip",
     "launch": "launch", "launch_ros": "launch_ros", "ament_index_python": "ament_index_python",
     "py_trees": "py_trees", "numpy": "python3-numpy", "transforms3d": "python3-transforms3d",
     "matplotlib": "python3-matplotlib", "tqdm": "python3-tqdm", "rosbags": "python3-rosbags-pip",
-    "transformers": "python3-transformers-pip",   # the bench's reference; a test dependency
+    "transformers": "python3-transformers-pip",   # the bench's reference and make train-policy's; a test dependency
     "torch": None, "safetensors": None, "tokenizers": None, "blake3": None,
 }
 
