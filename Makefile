@@ -5,6 +5,7 @@
 #                (TESTS=test/test_x.py PYTEST_ARGS='-k foo -x' to narrow it)
 #   make demo    python -m flashrt_ros.demo: the robot scenario over ROS 2 (installed package)
 #   make bench   python -m flashrt_ros.bench (installed package)
+#   make train-policy  retrain data/policies/reach_arm from its seed (a few minutes)
 #   make clean   remove build/ install/ log/; `make distclean` also .venv
 #   make freeze  rewrite requirements/constraints*.txt and lock-<distro>-*.txt from .venv
 #
@@ -93,10 +94,10 @@ set +eu; . "$(CURDIR)/install/setup.sh"; set -eu
 export PYTHONSAFEPATH=1
 endef
 
-.PHONY: help setup test demo bench clean distclean freeze info
+.PHONY: help setup test demo bench train-policy clean distclean freeze info
 
 help:
-	@sed -n '3,10p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 info:
 	@echo "mode=$(ROS_MODE) key=$(SETUP_KEY) system_prefix=$(SYSTEM_ROS_PREFIX)"
@@ -221,6 +222,11 @@ bench: setup
 	@$(ACTIVATE)
 	$(SOURCE_INSTALL)
 	python -m flashrt_ros.bench $(ARGS)
+
+train-policy: setup
+	@$(ACTIVATE)
+	$(SOURCE_INSTALL)
+	python -m flashrt_ros.sim.train_policy $(ARGS)
 
 freeze:
 	@test -x "$(VENV)/bin/python" || { echo "no .venv: run make setup first" >&2; exit 2; }

@@ -18,10 +18,11 @@ def test_demo_runs_every_step_and_writes_its_pictures(tmp_path):
     env = dict(os.environ)
     env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)  # the demo sets LOCALHOST for both of its processes
     run = subprocess.run([sys.executable, "-m", "flashrt_ros.demo", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=300, env=env)
+                         text=True, timeout=420, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "demo OK" in run.stdout and "FAILED" not in run.stdout
     assert "faster" in run.stdout and "tokens/s" in run.stdout
-    for picture in ("timeline.png", "ttft.png"):
+    assert "retry success over N=20 episodes" in run.stdout and "over ROS, the tree: SUCCESS" in run.stdout
+    for picture in ("timeline.png", "ttft.png", "retry_paths.png"):
         data = (tmp_path / picture).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

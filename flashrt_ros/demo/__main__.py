@@ -8,10 +8,13 @@ drives it over DDS, the way a robot's executive would:
  3. attempt a skill that fails, roll back, retry (behaviour tree);
  4. fork branches, explore each, keep the best (behaviour tree);
  5. end the session by restoring the task-start capsule instead of
-    prefilling the context again, and compare the time to first token.
+    prefilling the context again, and compare the time to first token;
+ 6. the trained reaching policy in the simulated arm (demo.reach): the retry
+    ablation, and a behaviour tree that rolls the policy back after a jam.
 
 It prints one line per operation and a table at the end. It writes
-timeline.png and ttft.png to --out, and exits non-zero if any step fails.
+timeline.png, ttft.png and retry_paths.png to --out, and exits non-zero if any
+step fails.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from . import reach
 from .charts import timeline, ttft_bars
 
 CONTEXT_TOKENS = 4000
@@ -47,13 +51,7 @@ def _task_context(tokens: int) -> str:
 def _bag_observations(limit: int) -> list[list[float]]:
     from ..replay.bag import read_bag
 
-    try:
-        from ament_index_python.packages import get_package_share_directory
-
-        share = Path(get_package_share_directory("flashrt_ros"))
-    except Exception:  # running from a source tree without the install space
-        share = Path(__file__).resolve().parents[2]
-    journal = read_bag(share / "data" / "bags" / "attempt_with_rollback")
+    journal = read_bag(reach.share_dir() / "data" / "bags" / "attempt_with_rollback")
     return [e.request["observation"] for e in journal.entries if e.kind == "step"][:limit]
 
 
@@ -307,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if node_exit != 0:
         print(f"\ndemo FAILED: flashrt_node exited {node_exit} on SIGTERM", file=sys.stderr)
+        return 1
+    print("\n==> the trained reaching policy in the simulation (flashrt_sim, MuJoCo)")
+    if not reach.run_scenario(out):
+        print("\ndemo FAILED: the reaching scenario (see above)", file=sys.stderr)
         return 1
     print("\ndemo OK")
     return 0

@@ -1,0 +1,225 @@
+"""The reaching task in the simulation, as a behaviour tree over ROS (py_trees):
+
+  give the goal -> start the episode -> goal taken in -> snapshot -> jam the shoulder ->
+  attempt, or else (free the joint, restore the snapshot, attempt again) -> drop the snapshot
+
+The simulated arm (``flashrt_sim``, lockstep) and the policy node (``flashrt_node`` with
+policy.goal) run the loop between them: every joint state the arm publishes is one policy step,
+every JointTrajectory the policy answers with is one control period. The tree only gives the
+goal, watches the arm and calls the capsule services. An attempt fails when the end effector
+is not within ``SUCCESS_RADIUS_M`` of the goal ``ATTEMPT_STEPS`` control periods after it began.
+
+python -m flashrt_ros.bt.reach [--server /flashrt] [--sim /flashrt_sim] runs it once against a
+live pair and prints each attempt's outcome.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import threading
+import time
+from typing import Any
+
+import py_trees
+from geometry_msgs.msg import PoseStamped
+from py_trees.common import Status
+from py_trees.composites import Selector, Sequence as Seq
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import JointState
+from std_srvs.srv import SetBool, Trigger
+from trajectory_msgs.msg import JointTrajectory
+
+from ..sim.task import ATTEMPT_STEPS, SUCCESS_RADIUS_M
+from .behaviours import Drop, Restore, Snapshot
+
+_LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
+
+
+class World:
+    """What the tree sees of the simulation: the episode's goal, the arm's periods and pose,
+    and the policy's commands (counted). One per tree, shared by its behaviours."""
+
+    def __init__(self, node: Any, sim: str, server: str) -> None:
+        self.node = node
+        self.goal: PoseStamped | None = None
+        self.periods = 0      # joint states the arm has published this episode
+        self.commands = 0     # JointTrajectory answers of the policy this episode
+        self.pose: PoseStamped | None = None
+        self.paths: list[list[tuple[float, float]]] = []
+        node.create_subscription(PoseStamped, f"{sim}/episode_goal", self._on_goal, _LATCHED)
+        node.create_subscription(JointState, f"{server}/joint_states", self._on_state, 100)
+        node.create_subscription(PoseStamped, f"{server}/ee_pose", self._on_pose, 100)
+        node.create_subscription(JointTrajectory, f"{server}/joint_trajectory", self._on_command, 100)
+        self.goal_out = node.create_publisher(PoseStamped, f"{server}/goal", 10)
+        self.reset = node.create_client(Trigger, f"{sim}/reset")
+        self.jam = node.create_client(SetBool, f"{sim}/jam")
+
+    def _on_goal(self, msg: PoseStamped) -> None:
+        self.goal = msg
+
+    def _on_state(self, msg: JointState) -> None:
+        self.periods += 1
+
+    def _on_pose(self, msg: PoseStamped) -> None:
+        self.pose = msg
+        if self.paths:
+            self.paths[-1].append((msg.pose.position.x, msg.pose.position.y))
+
+    def _on_command(self, msg: JointTrajectory) -> None:
+        self.commands += 1
+
+    def distance(self) -> float:
+        if self.pose is None or self.goal is None:
+            return math.inf
+        p, g = self.pose.pose.position, self.goal.pose.position
+        return math.hypot(p.x - g.x, p.y - g.y)
+
+
+class _Call(py_trees.behaviour.Behaviour):
+    """A std_srvs call to the simulation; SUCCESS on its answer's success."""
+
+    def __init__(self, name: str, client: Any, request: Any, timeout_s: float = 10.0) -> None:
+        super().__init__(name)
+        self.client, self.request, self.timeout_s = client, request, timeout_s
+        self._future = None
+        self._deadline = 0.0
+
+    def initialise(self) -> None:
+        self._future = self.client.call_async(self.request) if self.client.service_is_ready() else None
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def update(self) -> Status:
+        if self._future is None:
+            self.feedback_message = f"{self.client.srv_name} is not available"
+            return Status.FAILURE
+        if not self._future.done():
+            return Status.FAILURE if time.monotonic() > self._deadline else Status.RUNNING
+        return Status.SUCCESS if self._future.result().success else Status.FAILURE
+
+
+class GiveGoal(py_trees.behaviour.Behaviour):
+    """Publish the episode's goal to the policy, once (it starts the policy's episode)."""
+
+    def __init__(self, world: World, timeout_s: float = 10.0) -> None:
+        super().__init__("give the goal")
+        self.world, self.timeout_s = world, timeout_s
+
+    def initialise(self) -> None:
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def update(self) -> Status:
+        world = self.world
+        if world.goal is None or world.goal_out.get_subscription_count() == 0:
+            return Status.FAILURE if time.monotonic() > self._deadline else Status.RUNNING
+        world.goal_out.publish(world.goal)
+        return Status.SUCCESS
+
+
+class GoalTakenIn(py_trees.behaviour.Behaviour):
+    """SUCCESS once the policy has answered its first observation of the episode (the goal step)."""
+
+    def __init__(self, world: World, timeout_s: float = 10.0) -> None:
+        super().__init__("goal taken in")
+        self.world, self.timeout_s = world, timeout_s
+
+    def initialise(self) -> None:
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def update(self) -> Status:
+        if self.world.commands >= 1:
+            return Status.SUCCESS
+        return Status.FAILURE if time.monotonic() > self._deadline else Status.RUNNING
+
+
+class Attempt(py_trees.behaviour.Behaviour):
+    """Let the policy drive for ``ATTEMPT_STEPS`` control periods; SUCCESS when the end effector
+    is then within the radius of the goal, FAILURE otherwise (or when the loop stalls)."""
+
+    def __init__(self, name: str, world: World, stall_s: float = 10.0) -> None:
+        super().__init__(name)
+        self.world, self.stall_s = world, stall_s
+        self.outcomes: list[tuple[bool, float]] = []
+
+    def initialise(self) -> None:
+        self._until = self.world.periods + ATTEMPT_STEPS
+        self._deadline = time.monotonic() + self.stall_s
+        self.world.paths.append([])
+
+    def update(self) -> Status:
+        world = self.world
+        if world.periods < self._until:
+            if time.monotonic() > self._deadline:
+                self.feedback_message = "the arm stopped stepping"
+                return Status.FAILURE
+            return Status.RUNNING
+        reached = world.distance() < SUCCESS_RADIUS_M
+        self.outcomes.append((reached, world.distance()))
+        self.feedback_message = f"{'reached' if reached else 'missed'} the goal ({world.distance():.3f} m)"
+        return Status.SUCCESS if reached else Status.FAILURE
+
+
+def reach_with_retry(node: Any, server: str = "/flashrt", sim: str = "/flashrt_sim",
+                     jam: bool = True) -> tuple[py_trees.behaviour.Behaviour, World, list[Attempt]]:
+    """The tree, the world it watches, and its two attempts (their outcomes)."""
+    world = World(node, sim, server)
+    first, second = Attempt("attempt", world), Attempt("retry", world)
+    root = Seq("reach, with a rollback on failure", memory=True, children=[
+        GiveGoal(world),
+        _Call("start the episode", world.reset, Trigger.Request()),
+        GoalTakenIn(world),
+        Snapshot("snapshot: goal taken in", node, "goal_taken_in", pin=True, server=server),
+        *([_Call("jam the shoulder", world.jam, SetBool.Request(data=True))] if jam else []),
+        Selector("attempt, or roll back and retry", memory=True, children=[
+            first,
+            Seq("roll back and retry", memory=True, children=[
+                _Call("free the shoulder", world.jam, SetBool.Request(data=False)),
+                Restore("restore: goal taken in", node, "goal_taken_in", server=server),
+                second]),
+        ]),
+        Drop("drop the snapshot", node, "goal_taken_in", server=server),
+    ])
+    return root, world, [first, second]
+
+
+def run(root: py_trees.behaviour.Behaviour, timeout_s: float = 60.0, period_s: float = 0.005) -> Status:
+    tree = py_trees.trees.BehaviourTree(root)
+    tree.setup(timeout=15.0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tree.tick()
+        if root.status in (Status.SUCCESS, Status.FAILURE) or time.monotonic() > deadline:
+            return root.status
+        time.sleep(period_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    parser = argparse.ArgumentParser(prog="python -m flashrt_ros.bt.reach", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", default="/flashrt")
+    parser.add_argument("--sim", default="/flashrt_sim")
+    args = parser.parse_args(argv)
+    rclpy.init()
+    node = rclpy.create_node("reach_tree")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    threading.Thread(target=executor.spin, daemon=True).start()
+    try:
+        root, _, attempts = reach_with_retry(node, args.server, args.sim)
+        status = run(root)
+        for attempt in attempts:
+            for reached, gap in attempt.outcomes:
+                print(f"{attempt.name}: {'reached' if reached else 'missed'} the goal ({gap:.3f} m)")
+        print(f"reach with retry: {status.name}")
+        return 0 if status == Status.SUCCESS else 1
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""make demo, last part: the trained reaching policy in the simulation, closed loop over ROS.
+
+1. The ablation, in this process: N jammed episodes, each retried from a full restore, a
+   KV-only restore, a reset state and no rollback (``sim.ablation``); the success table, and
+   retry_paths.png.
+2. The behaviour tree of ``bt.reach`` against flashrt_sim (lockstep) and flashrt_node (the
+   trained policy, journaling) in processes of their own: the jammed attempt misses, the
+   retry from the restored snapshot reaches. The node's journal bag is replayed
+   (flashrt-replay), exact on this machine.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..sim import ablation
+from ..sim.train_policy import DEFAULT_OUT
+
+WIRING = ["-r", "joint_states:=/flashrt/joint_states", "-r", "ee_pose:=/flashrt/ee_pose",
+          "-r", "joint_trajectory:=/flashrt/joint_trajectory"]
+
+
+def share_dir() -> Path:
+    """share/flashrt_ros of the install space, else the source tree."""
+    try:
+        from ament_index_python.packages import get_package_share_directory
+
+        return Path(get_package_share_directory("flashrt_ros"))
+    except Exception:  # running from a source tree without the install space
+        return Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class OverRos:
+    status: str = "not run"
+    attempts: list[tuple[str, bool, float]] = field(default_factory=list)
+    bag: Path | None = None
+    replay_exit: int | None = None
+    replay_tail: str = ""
+    step_ms: tuple[float, float] | None = None   # policy step p50, p99 as the node measured them
+
+
+def over_ros(out: Path, seed: int = ablation.ABLATION_SEEDS.start, policy: Path = DEFAULT_OUT) -> OverRos:
+    """Part 2 (see the module docstring); the caller sets the ROS domain."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.executors import SingleThreadedExecutor
+
+    from ..bt.reach import reach_with_retry, run
+
+    result = OverRos()
+    journals = out / "reach_journal"
+    env = dict(os.environ)
+    logs = open(out / "reach_nodes.log", "w")
+    sim = subprocess.Popen([sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true",
+                            "-p", f"seed:={seed}", *WIRING], stdout=logs, stderr=subprocess.STDOUT, env=env)
+    node = subprocess.Popen([sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
+                             str(share_dir() / "config" / "reach_sim.yaml"), "-p", f"model_path:={policy}",
+                             "-p", f"journal_path:={journals}", "--log-level", "warn"],
+                            stdout=logs, stderr=subprocess.STDOUT, env=env)
+    context = Context()
+    rclpy.init(context=context)
+    client = rclpy.create_node("reach_demo", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(client)
+    try:
+        root, world, attempts = reach_with_retry(client)
+        threading.Thread(target=executor.spin, daemon=True).start()
+        _wait_for_policy(client)
+        result.status = run(root, timeout_s=120.0).name
+        result.attempts = [(a.name, reached, gap) for a in attempts for reached, gap in a.outcomes]
+    finally:
+        executor.shutdown()
+        client.destroy_node()
+        context.try_shutdown()
+        for proc in (node, sim):
+            proc.terminate()
+        for proc in (node, sim):
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        logs.close()
+    bags = sorted(journals.glob("session-*"))
+    if bags:
+        result.bag = bags[-1]
+        done = subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", str(result.bag)], capture_output=True,
+                              text=True, env=env, timeout=300)
+        result.replay_exit, result.replay_tail = done.returncode, (done.stdout + done.stderr)[-1500:]
+    return result
+
+
+def _wait_for_policy(client, timeout_s: float = 120.0) -> None:
+    """Until the policy node serves (its capsule services answer as active)."""
+    from ..srv import ListCapsules
+
+    service = client.create_client(ListCapsules, "/flashrt/list_capsules")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if service.wait_for_service(timeout_sec=1.0):
+            future = service.call_async(ListCapsules.Request())
+            end = time.monotonic() + 10
+            while not future.done() and time.monotonic() < end:
+                time.sleep(0.01)
+            if future.done() and future.result().success:
+                return
+        time.sleep(0.2)
+    raise TimeoutError("flashrt_node with the reaching policy did not come up")
+
+
+def run_scenario(out: Path) -> bool:
+    """Both parts, printed; whether they did what they should."""
+    started = time.monotonic()
+    table = ablation.run(DEFAULT_OUT)
+    print("\n" + table.table())
+    print(f"  wrote {ablation.draw(table, out)}  ({time.monotonic() - started:.0f} s in-process)")
+    started = time.monotonic()
+    ros = over_ros(out)
+    for name, reached, gap in ros.attempts:
+        print(f"  over ROS, {name}: {'reached' if reached else 'missed'} the goal ({gap:.3f} m)")
+    print(f"  over ROS, the tree: {ros.status} ({time.monotonic() - started:.0f} s, nodes' log: "
+          f"{out / 'reach_nodes.log'})")
+    if ros.bag is not None:
+        print(f"  its journal {ros.bag.name}: flashrt-replay exit {ros.replay_exit}")
+    return ros.status == "SUCCESS" and ros.replay_exit == 0
