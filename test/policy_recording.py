@@ -75,6 +75,20 @@ def topics() -> dict:
     return topics
 
 
+def recorded_session(path: Path) -> Path:
+    """``record_policy_session`` into ``path``, in an rclpy context of its own."""
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(context=context)
+    try:
+        record_policy_session(context, path)
+    finally:
+        context.try_shutdown()
+    return path
+
+
 def record_policy_session(context, path: Path) -> None:
     """Steps, a snapshot, a rollback, a restore, a fork, a repeat, a refusal and a drop, against a
     node that introspects its services, recorded from outside the node."""
@@ -164,3 +178,22 @@ def copy_without(bag: Path, out: Path, topic: str, change=None, skip=None) -> No
                     raw = store.serialize_cdr(msg, stored_name(connection.msgtype))
             writer.write_message(connection.topic, connection.msgtype, bytes(raw), stamp)
     writer.close()
+
+
+def with_a_changed_action(bag: Path, out: Path) -> Path:
+    """A copy of ``bag`` whose sixth action has its first joint half a radian off: a policy
+    that acted otherwise."""
+    import numpy as np
+
+    actions = []
+
+    def change(topic, msg):
+        if topic != f"{NODE}/action":
+            return False
+        actions.append(topic)
+        if len(actions) == 6:
+            msg.positions = msg.positions + np.eye(len(msg.positions))[0] * 0.5
+        return len(actions) == 6
+
+    copy_without(bag, out, "", change)
+    return out

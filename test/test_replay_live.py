@@ -6,14 +6,13 @@ import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("rclpy")
 pytest.importorskip("rosbags")
 
 from install_space import EXECUTABLES  # noqa: E402
-from policy_recording import NODE, copy_without, record_policy_session, same_kernels_env  # noqa: E402
+from policy_recording import NODE, recorded_session, same_kernels_env, with_a_changed_action  # noqa: E402
 
 NODE_EXECUTABLE = EXECUTABLES / "flashrt_node"
 REPLAY = EXECUTABLES / "flashrt-replay"
@@ -22,17 +21,7 @@ pytestmark = pytest.mark.skipif(not NODE_EXECUTABLE.exists(), reason="needs the 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
-    import rclpy
-    from rclpy.context import Context
-
-    context = Context()
-    rclpy.init(context=context)
-    path = tmp_path_factory.mktemp("live") / "robot"
-    try:
-        record_policy_session(context, path)
-    finally:
-        context.try_shutdown()
-    return path
+    return recorded_session(tmp_path_factory.mktemp("live") / "robot")
 
 
 def _env() -> dict[str, str]:
@@ -77,18 +66,7 @@ def test_a_recording_played_into_the_live_node_is_judged_exact(recorded, tmp_pat
 
 
 def test_a_live_node_that_acts_otherwise_fails_and_an_absent_one_exits_2(recorded, tmp_path):
-    actions = []
-
-    def change(topic, msg):   # the sixth action, its first joint half a radian off
-        if topic != f"{NODE}/action":
-            return False
-        actions.append(topic)
-        if len(actions) == 6:
-            msg.positions = msg.positions + np.eye(len(msg.positions))[0] * 0.5
-        return len(actions) == 6
-
-    changed = tmp_path / "changed"
-    copy_without(recorded, changed, "", change)
+    changed = with_a_changed_action(recorded, tmp_path / "changed")
     with _node(tmp_path) as log:
         done = subprocess.run([str(REPLAY), str(changed), "--live", "--timeout", "120", "--verdict", "portable"],
                               capture_output=True, text=True, timeout=300, env=_env())

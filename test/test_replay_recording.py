@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("rclpy")
@@ -14,22 +13,12 @@ pytest.importorskip("rosbags")
 from rosbags.rosbag2 import Reader  # noqa: E402
 
 from flashrt_ros.replay.recording import read_recording  # noqa: E402
-from policy_recording import NODE, copy_without, record_policy_session, replay  # noqa: E402
+from policy_recording import NODE, copy_without, recorded_session, replay, with_a_changed_action  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
-    import rclpy
-    from rclpy.context import Context
-
-    context = Context()
-    rclpy.init(context=context)
-    path = tmp_path_factory.mktemp("recording") / "robot"
-    try:
-        record_policy_session(context, path)
-    finally:
-        context.try_shutdown()
-    return path
+    return recorded_session(tmp_path_factory.mktemp("recording") / "robot")
 
 
 def test_a_recording_of_the_nodes_topics_and_service_events_replays(recorded):
@@ -62,18 +51,7 @@ def test_a_recording_without_the_session_record_exits_2_and_takes_it_from_anothe
 
 
 def test_a_recording_whose_policy_acted_otherwise_fails_portable(recorded, tmp_path):
-    actions = []
-
-    def change(topic, msg):   # the sixth action, its first joint half a radian off
-        if topic != f"{NODE}/action":
-            return False
-        actions.append(topic)
-        if len(actions) == 6:
-            msg.positions = msg.positions + np.eye(len(msg.positions))[0] * 0.5
-        return len(actions) == 6
-
-    changed = tmp_path / "changed"
-    copy_without(recorded, changed, "", change)
+    changed = with_a_changed_action(recorded, tmp_path / "changed")
     done = replay(str(changed), "--verdict", "portable")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "action: exact differs, portable differs" in done.stderr, done.stderr

@@ -19,7 +19,7 @@ import math
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import py_trees
 from geometry_msgs.msg import PoseStamped
@@ -98,38 +98,34 @@ class _Call(py_trees.behaviour.Behaviour):
         return Status.SUCCESS if self._future.result().success else Status.FAILURE
 
 
-class GiveGoal(py_trees.behaviour.Behaviour):
-    """Publish the episode's goal to the policy, once (it starts the policy's episode)."""
+class _Until(py_trees.behaviour.Behaviour):
+    """SUCCESS once ``ready()`` holds (after ``then()``, if given); FAILURE after ``timeout_s``."""
 
-    def __init__(self, world: World, timeout_s: float = 10.0) -> None:
-        super().__init__("give the goal")
-        self.world, self.timeout_s = world, timeout_s
+    def __init__(self, name: str, ready: Callable[[], bool], then: Callable[[], None] | None = None,
+                 timeout_s: float = 10.0) -> None:
+        super().__init__(name)
+        self.ready, self.then, self.timeout_s = ready, then, timeout_s
 
     def initialise(self) -> None:
         self._deadline = time.monotonic() + self.timeout_s
 
     def update(self) -> Status:
-        world = self.world
-        if world.goal is None or world.goal_out.get_subscription_count() == 0:
+        if not self.ready():
             return Status.FAILURE if time.monotonic() > self._deadline else Status.RUNNING
-        world.goal_out.publish(world.goal)
+        if self.then is not None:
+            self.then()
         return Status.SUCCESS
 
 
-class GoalTakenIn(py_trees.behaviour.Behaviour):
+def give_goal(world: World) -> _Until:
+    """Publish the episode's goal to the policy, once (it starts the policy's episode)."""
+    return _Until("give the goal", lambda: world.goal is not None and world.goal_out.get_subscription_count() > 0,
+                  then=lambda: world.goal_out.publish(world.goal))
+
+
+def goal_taken_in(world: World) -> _Until:
     """SUCCESS once the policy has answered its first observation of the episode (the goal step)."""
-
-    def __init__(self, world: World, timeout_s: float = 10.0) -> None:
-        super().__init__("goal taken in")
-        self.world, self.timeout_s = world, timeout_s
-
-    def initialise(self) -> None:
-        self._deadline = time.monotonic() + self.timeout_s
-
-    def update(self) -> Status:
-        if self.world.commands >= 1:
-            return Status.SUCCESS
-        return Status.FAILURE if time.monotonic() > self._deadline else Status.RUNNING
+    return _Until("goal taken in", lambda: world.commands >= 1)
 
 
 class Attempt(py_trees.behaviour.Behaviour):
@@ -165,9 +161,9 @@ def reach_with_retry(node: Any, server: str = "/flashrt", sim: str = "/flashrt_s
     world = World(node, sim, server)
     first, second = Attempt("attempt", world), Attempt("retry", world)
     root = Seq("reach, with a rollback on failure", memory=True, children=[
-        GiveGoal(world),
+        give_goal(world),
         _Call("start the episode", world.reset, Trigger.Request()),
-        GoalTakenIn(world),
+        goal_taken_in(world),
         Snapshot("snapshot: goal taken in", node, "goal_taken_in", pin=True, server=server),
         *([_Call("jam the shoulder", world.jam, SetBool.Request(data=True))] if jam else []),
         Selector("attempt, or roll back and retry", memory=True, children=[

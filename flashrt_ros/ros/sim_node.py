@@ -27,10 +27,9 @@ import sys
 import threading
 from typing import Any
 
-import rclpy
 from builtin_interfaces.msg import Time
 from geometry_msgs.msg import PoseStamped
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rosgraph_msgs.msg import Clock
@@ -41,7 +40,7 @@ from trajectory_msgs.msg import JointTrajectory
 from ..errors import InvalidArgument
 from ..sim.arm import JOINT_NAMES, Arm, ArmState
 from ..sim.task import Episode
-from .spinning import spin_until_shutdown
+from .spinning import run_node
 
 _LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
 
@@ -160,25 +159,7 @@ class SimNode(Node):
 
 
 def main(argv: list[str] | None = None) -> int:
-    rclpy.init(args=argv if argv is not None else sys.argv)
-    node = None
-    try:
-        try:
-            node = SimNode()
-        except Exception as exc:  # a bad parameter: refused with its reason
-            print(f"flashrt_sim: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 2
-        executor = SingleThreadedExecutor()
-        executor.add_node(node)
-        spin_until_shutdown(executor, node.context,
-                            lambda trace: node.get_logger().error(f"a callback failed; stepping on:\n{trace}"))
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        if node is not None:
-            node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return run_node("flashrt_sim", SimNode, SingleThreadedExecutor, args=argv)
 
 
 if __name__ == "__main__":

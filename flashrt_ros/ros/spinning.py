@@ -1,10 +1,13 @@
-"""Spinning an executor through the failures of single callbacks, until shutdown."""
+"""Spinning an executor through the failures of single callbacks, until shutdown; and a
+node's program around it."""
 from __future__ import annotations
 
+import sys
 import time
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
+import rclpy
 from rclpy.context import Context
 from rclpy.executors import Executor, ExternalShutdownException
 
@@ -29,3 +32,35 @@ def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[
         except Exception:
             failed(traceback.format_exc())
         time.sleep(0.01)   # never a hot loop, whatever keeps failing
+
+
+def run_node(program: str, make: Callable[[], Any], make_executor: Callable[[], Executor],
+             start: Callable[[Any], None] | None = None, args: list[str] | None = None) -> int:
+    """A node's program: ``make`` the node (exit 2 with rclpy's reason when its parameters are
+    refused), ``start`` it, spin until shutdown (SIGINT, SIGTERM), clean up; exit 0."""
+    rclpy.init(args=args)
+    node = None
+    try:
+        try:
+            node = make()
+        except Exception as exc:  # bad parameters are refused at declaration, with rclpy's reason
+            print(f"{program}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        if start is not None:
+            start(node)
+        executor = make_executor()
+        executor.add_node(node)
+        spin_until_shutdown(executor, node.context,
+                            lambda trace: node.get_logger().error(f"a callback failed; going on:\n{trace}"))
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    except RCLError:
+        # SIGTERM shuts the context down; a call that starts just after (a configure at start,
+        # say) sees an invalid context instead of ExternalShutdownException. Only that is benign.
+        if rclpy.ok():
+            raise
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
