@@ -44,8 +44,9 @@ class InvalidArgument(FlashRTError, ValueError):
 
 
 class ContextFull(InvalidArgument):
-    """The state holds max_seq_len positions: nothing more can be committed until a restore,
-    rollback or reset frees some."""
+    """The state holds max_seq_len positions already: nothing more can be committed until a
+    restore, rollback or reset frees some (a request that is merely too long for the room
+    left is an InvalidArgument)."""
 
     code = ErrorCode.CONTEXT_FULL
 

@@ -82,7 +82,8 @@ def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(r
     from ros_harness import wait_future
 
     sim = SimNode(context=ros_context, parameter_overrides=[Parameter("lockstep", value=True),
-                                                            Parameter("seed", value=4)])
+                                                            Parameter("seed", value=4),
+                                                            Parameter("lockstep_patience", value=0.5)])
     client = rclpy.create_node("sim_client", context=ros_context)
     states, clocks, goals = [], [], []
     client.create_subscription(JointState, "/joint_states", states.append, 50)
@@ -127,22 +128,62 @@ def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(r
         stamp = states[-1].header.stamp   # twelve control periods of 0.05 s of simulation time
         assert (stamp.sec, stamp.nanosec) == (0, 600_000_000)
         assert clocks and clocks[-1].clock == states[-1].header.stamp
+        held = sim.arm.data.ctrl.copy()
         n = len(states)
-        command([0.0, float("nan"), 0.0])
+        command([0.0, float("nan"), 0.0])   # refused, but it answers: a step with the targets held
+        wait(states, n + 1)
         command([0.0, 0.0, 0.0], names=["a", "b", "c"])
-        old = states[-1].header.stamp.__class__(sec=0, nanosec=1)   # 0.6 s ago: older than max_command_age
+        wait(states, n + 2)
+        assert sim.refused == 2 and (sim.arm.data.ctrl == held).all()
+        old = states[-1].header.stamp.__class__(sec=0, nanosec=1)   # 0.7 s ago: older than max_command_age
         command([0.0, 0.0, 0.0], stamp=old)
+        ahead = states[-1].header.stamp.__class__(sec=5, nanosec=0)   # not yet in simulation time
+        command([0.0, 0.0, 0.0], stamp=ahead)
         deadline = time.monotonic() + 5
-        while sim.refused < 3:
+        while sim.refused < 4:
             assert time.monotonic() < deadline, f"refused {sim.refused}"
             time.sleep(0.01)
-        assert len(states) == n   # refused: no step
+        # Nobody answered the latest state: after lockstep_patience it is stepped all the same.
+        wait(states, n + 3, timeout=5.0)
+        assert sim.unanswered >= 1 and (sim.arm.data.ctrl == held).all()
         assert wait_future(jam.call_async(SetBool.Request(data=True))).success
         held = states[-1].position[0]
         for _ in range(3):
             command([held + 1.0, 0.0, 0.0])
             wait(states, len(states) + 1)
         assert abs(states[-1].position[0] - held) < 1e-3   # jammed
+    finally:
+        executor.shutdown()
+        spinner.join(5)
+        sim.destroy_node()
+        client.destroy_node()
+
+
+def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_time(ros_context):
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+    from sensor_msgs.msg import JointState
+
+    import rclpy
+
+    from flashrt_ros.ros.sim_node import SimNode
+
+    sim = SimNode(context=ros_context, parameter_overrides=[Parameter("speed", value=10.0)])
+    client = rclpy.create_node("sim_timer_client", context=ros_context)
+    states = []
+    client.create_subscription(JointState, "/joint_states", states.append, 100)
+    executor = SingleThreadedExecutor(context=ros_context)
+    executor.add_node(sim)
+    executor.add_node(client)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(states) < 20:   # 20 control periods: 1 s of simulation time, 0.1 s of wall clock at 10x
+            assert time.monotonic() < deadline, len(states)
+            time.sleep(0.01)
+        stamps = [s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 for s in states[-10:]]
+        assert all(abs((b - a) - 0.05) < 1e-9 for a, b in zip(stamps, stamps[1:]))   # one period each
     finally:
         executor.shutdown()
         spinner.join(5)

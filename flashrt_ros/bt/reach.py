@@ -44,6 +44,7 @@ class World:
         self.node = node
         self.goal: PoseStamped | None = None
         self.periods = 0      # joint states the arm has published this episode
+        self.period_at: list[float] = []   # when each came (monotonic s): the loop's pace
         self.commands = 0     # JointTrajectory answers of the policy this episode
         self.pose: PoseStamped | None = None
         self.paths: list[list[tuple[float, float]]] = []
@@ -60,6 +61,7 @@ class World:
 
     def _on_state(self, msg: JointState) -> None:
         self.periods += 1
+        self.period_at.append(time.monotonic())
 
     def _on_pose(self, msg: PoseStamped) -> None:
         self.pose = msg
@@ -77,7 +79,8 @@ class World:
 
 
 class _Call(py_trees.behaviour.Behaviour):
-    """A std_srvs call to the simulation; SUCCESS on its answer's success."""
+    """A std_srvs call to the simulation, made once its service is there; SUCCESS on its
+    answer's success, FAILURE on a refusal or after ``timeout_s``."""
 
     def __init__(self, name: str, client: Any, request: Any, timeout_s: float = 10.0) -> None:
         super().__init__(name)
@@ -86,16 +89,23 @@ class _Call(py_trees.behaviour.Behaviour):
         self._deadline = 0.0
 
     def initialise(self) -> None:
-        self._future = self.client.call_async(self.request) if self.client.service_is_ready() else None
+        self._future = None
         self._deadline = time.monotonic() + self.timeout_s
 
     def update(self) -> Status:
-        if self._future is None:
-            self.feedback_message = f"{self.client.srv_name} is not available"
-            return Status.FAILURE
-        if not self._future.done():
-            return Status.FAILURE if time.monotonic() > self._deadline else Status.RUNNING
+        if self._future is None and self.client.service_is_ready():
+            self._future = self.client.call_async(self.request)
+        if self._future is None or not self._future.done():
+            if time.monotonic() > self._deadline:
+                self.feedback_message = f"{self.client.srv_name}: no answer within {self.timeout_s:g} s"
+                return Status.FAILURE
+            return Status.RUNNING
         return Status.SUCCESS if self._future.result().success else Status.FAILURE
+
+    def terminate(self, new_status: Status) -> None:
+        if new_status == Status.INVALID and self._future is not None and not self._future.done():
+            self.client.remove_pending_request(self._future)   # halted: the answer is nobody's
+        self._future = None
 
 
 class _Until(py_trees.behaviour.Behaviour):
@@ -118,9 +128,14 @@ class _Until(py_trees.behaviour.Behaviour):
 
 
 def give_goal(world: World) -> _Until:
-    """Publish the episode's goal to the policy, once (it starts the policy's episode)."""
+    """Publish the episode's goal to the policy, once (it starts the policy's episode); the
+    policy's commands are counted from here."""
+    def publish() -> None:
+        world.commands = 0
+        world.goal_out.publish(world.goal)
+
     return _Until("give the goal", lambda: world.goal is not None and world.goal_out.get_subscription_count() > 0,
-                  then=lambda: world.goal_out.publish(world.goal))
+                  then=publish)
 
 
 def goal_taken_in(world: World) -> _Until:
@@ -130,7 +145,8 @@ def goal_taken_in(world: World) -> _Until:
 
 class Attempt(py_trees.behaviour.Behaviour):
     """Let the policy drive for ``ATTEMPT_STEPS`` control periods; SUCCESS when the end effector
-    is then within the radius of the goal, FAILURE otherwise (or when the loop stalls)."""
+    is then within the radius of the goal, FAILURE otherwise (or when ``stall_s`` pass without a
+    control period)."""
 
     def __init__(self, name: str, world: World, stall_s: float = 10.0) -> None:
         super().__init__(name)
@@ -139,14 +155,16 @@ class Attempt(py_trees.behaviour.Behaviour):
 
     def initialise(self) -> None:
         self._until = self.world.periods + ATTEMPT_STEPS
-        self._deadline = time.monotonic() + self.stall_s
+        self._seen, self._deadline = self.world.periods, time.monotonic() + self.stall_s
         self.world.paths.append([])
 
     def update(self) -> Status:
         world = self.world
         if world.periods < self._until:
-            if time.monotonic() > self._deadline:
-                self.feedback_message = "the arm stopped stepping"
+            if world.periods != self._seen:   # stepping: the stall clock starts again
+                self._seen, self._deadline = world.periods, time.monotonic() + self.stall_s
+            elif time.monotonic() > self._deadline:
+                self.feedback_message = f"the arm stopped stepping ({self.stall_s:g} s without a control period)"
                 return Status.FAILURE
             return Status.RUNNING
         reached = world.distance() < SUCCESS_RADIUS_M

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..sim import ablation
 from ..sim.train_policy import DEFAULT_OUT
 
@@ -40,31 +42,52 @@ class OverRos:
     status: str = "not run"
     attempts: list[tuple[str, bool, float]] = field(default_factory=list)
     bag: Path | None = None
+    period_ms: tuple[float, float] | None = None   # wall time between control periods: median, p99
     replay_exit: int | None = None
     replay_tail: str = ""
-    step_ms: tuple[float, float] | None = None   # policy step p50, p99 as the node measured them
 
 
 def over_ros(out: Path, seed: int = ablation.ABLATION_SEEDS.start, policy: Path = DEFAULT_OUT) -> OverRos:
     """Part 2 (see the module docstring); the caller sets the ROS domain."""
     import rclpy
     from rclpy.context import Context
-    from rclpy.executors import SingleThreadedExecutor
-
-    from ..bt.reach import reach_with_retry, run
 
     result = OverRos()
     journals = out / "reach_journal"
     env = dict(os.environ)
-    logs = open(out / "reach_nodes.log", "w")
-    sim = subprocess.Popen([sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true",
-                            "-p", f"seed:={seed}", *WIRING], stdout=logs, stderr=subprocess.STDOUT, env=env)
-    node = subprocess.Popen([sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
-                             str(share_dir() / "config" / "reach_sim.yaml"), "-p", f"model_path:={policy}",
-                             "-p", f"journal_path:={journals}", "--log-level", "warn"],
-                            stdout=logs, stderr=subprocess.STDOUT, env=env)
+    procs: list[subprocess.Popen] = []
     context = Context()
-    rclpy.init(context=context)
+    with open(out / "reach_nodes.log", "w") as logs:
+        try:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true",
+                 "-p", f"seed:={seed}", *WIRING], stdout=logs, stderr=subprocess.STDOUT, env=env))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
+                 str(share_dir() / "config" / "reach_sim.yaml"), "-p", f"model_path:={policy}",
+                 "-p", f"journal_path:={journals}", "--log-level", "warn"],
+                stdout=logs, stderr=subprocess.STDOUT, env=env))
+            rclpy.init(context=context)
+            _drive(context, result)
+        finally:
+            context.try_shutdown()
+            _stop(procs)
+    bags = sorted(journals.glob("session-*"))
+    if bags:
+        result.bag = bags[-1]
+        done = subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", str(result.bag)], capture_output=True,
+                              text=True, env=env, timeout=300)
+        result.replay_exit, result.replay_tail = done.returncode, (done.stdout + done.stderr)[-1500:]
+    return result
+
+
+def _drive(context, result: OverRos) -> None:
+    """The tree, from a client node of its own in ``context``."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    from ..bt.reach import reach_with_retry, run
+
     client = rclpy.create_node("reach_demo", context=context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(client)
@@ -73,26 +96,27 @@ def over_ros(out: Path, seed: int = ablation.ABLATION_SEEDS.start, policy: Path 
         threading.Thread(target=executor.spin, daemon=True).start()
         _wait_for_policy(client)
         result.status = run(root, timeout_s=120.0).name
+        tip = root.tip()
+        if result.status != "SUCCESS" and tip is not None:
+            result.status += f" at {tip.name!r}" + (f": {tip.feedback_message}" if tip.feedback_message else "")
         result.attempts = [(a.name, reached, gap) for a in attempts for reached, gap in a.outcomes]
+        gaps = np.diff(world.period_at) * 1e3
+        if gaps.size:
+            result.period_ms = (float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)))
     finally:
         executor.shutdown()
         client.destroy_node()
-        context.try_shutdown()
-        for proc in (node, sim):
-            proc.terminate()
-        for proc in (node, sim):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        logs.close()
-    bags = sorted(journals.glob("session-*"))
-    if bags:
-        result.bag = bags[-1]
-        done = subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", str(result.bag)], capture_output=True,
-                              text=True, env=env, timeout=300)
-        result.replay_exit, result.replay_tail = done.returncode, (done.stdout + done.stderr)[-1500:]
-    return result
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_for_policy(client, timeout_s: float = 120.0) -> None:
@@ -125,6 +149,9 @@ def run_scenario(out: Path) -> bool:
         print(f"  over ROS, {name}: {'reached' if reached else 'missed'} the goal ({gap:.3f} m)")
     print(f"  over ROS, the tree: {ros.status} ({time.monotonic() - started:.0f} s, nodes' log: "
           f"{out / 'reach_nodes.log'})")
+    if ros.period_ms is not None:
+        print(f"  over ROS, lockstep: a control period every {ros.period_ms[0]:.1f} ms (median), p99 "
+              f"{ros.period_ms[1]:.1f} ms: the arm's step and the policy's round trip over DDS, two processes")
     if ros.bag is not None:
         print(f"  its journal {ros.bag.name}: flashrt-replay exit {ros.replay_exit}")
     return ros.status == "SUCCESS" and ros.replay_exit == 0

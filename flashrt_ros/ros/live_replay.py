@@ -47,11 +47,20 @@ _LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reli
 
 
 class Refused(FlashRTError):
-    """The live node answered with an error code, or not at all (INTERNAL, with the reason)."""
+    """The live node answered with an error code (judged like an engine's refusal)."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
+
+
+class Unanswered(Exception):
+    """The live node gave no answer (a dropped observation, a service that hung): a real
+    difference, which ends the replay there. Not a FlashRTError: no recorded code matches it."""
+
+
+class Unplayable(Exception):
+    """The recording holds something the player cannot send (the replay cannot go on)."""
 
 
 class LiveNode:
@@ -60,7 +69,6 @@ class LiveNode:
     def __init__(self, recorded: dict[str, Any], inputs: dict[int, tuple[bytes, bytes]],
                  timeout_s: float = 30.0, settle_s: float = 0.02) -> None:
         self._inputs, self._timeout, self._settle = inputs, timeout_s, settle_s
-        self.problems: list[str] = []   # why the node gave no answer, for each time it gave none
         self._context = Context()
         rclpy.init(context=self._context)
         self._node = rclpy.create_node(f"flashrt_replay_{time.monotonic_ns() % 10**9}", context=self._context)
@@ -69,7 +77,8 @@ class LiveNode:
         self._joints = self._node.create_publisher(JointState, recorded["joint_states_topic"], 10)
         self._actions: list[bytes] = []
         self._arrived = threading.Condition()
-        self._node.create_subscription(JointTrajectoryPoint, recorded["action_topic"], self._on_action, 100)
+        self._action_topic = recorded["action_topic"]
+        self._node.create_subscription(JointTrajectoryPoint, self._action_topic, self._on_action, 100)
         self._session: dict[str, Any] | None = None
         self._node.create_subscription(JournalSession, f"{name}/session", self._on_session, _LATCHED, raw=True)
         self._clients = {kind: self._node.create_client(srv, f"{name}/{service}")
@@ -87,8 +96,12 @@ class LiveNode:
             self._arrived.notify_all()
 
     def _on_session(self, raw: bytes) -> None:
+        try:
+            session = session_of_message(deserialize(raw, SESSION_TYPE))
+        except Exception as exc:   # (an exception out of a callback would end the spin thread)
+            session = {"unreadable": f"{type(exc).__name__}: {exc}"}
         with self._arrived:
-            self._session = session_of_message(deserialize(raw, SESSION_TYPE))
+            self._session = session
             self._arrived.notify_all()
 
     def connect(self) -> dict[str, Any]:
@@ -99,11 +112,24 @@ class LiveNode:
             if not self._arrived.wait_for(lambda: self._session is not None, self._timeout):
                 raise InvalidArgument(f"no session record on {self._node.resolve_topic_name('~')}: is a flashrt_node "
                                       f"running in this ROS domain, with the recorded node name?")
+        if "unreadable" in self._session:
+            raise InvalidArgument(f"its session record cannot be read ({self._session['unreadable']})")
         for client in (*self._clients.values(), self._list):
             if not client.wait_for_service(timeout_sec=max(0.1, deadline - time.monotonic())):
                 raise InvalidArgument(f"the node's {client.srv_name} service did not come up")
+        # Messages sent before the node's readers match are lost (and an unmatched publisher's
+        # wait_for_all_acked returns at once).
+        while self._pose.get_subscription_count() == 0 or self._joints.get_subscription_count() == 0 \
+                or self._node.count_publishers(self._action_topic) == 0:
+            if time.monotonic() > deadline:
+                raise InvalidArgument("its policy topics did not match this player's (is it in policy mode, "
+                                      "with the recorded topic names?)")
+            time.sleep(0.01)
         while True:   # autostart: the services exist before activation ends
-            answer = self._call(self._list, ListCapsules.Request())
+            try:
+                answer = self._call(self._list, ListCapsules.Request())
+            except Unanswered as exc:
+                raise InvalidArgument(str(exc)) from None
             if answer.error_code != ErrorCode.NOT_ACTIVE:
                 return self._session
             if time.monotonic() > deadline:
@@ -121,7 +147,7 @@ class LiveNode:
         if entry.kind == STEP:
             return {"action": self._step(entry).hex()}
         if entry.kind not in _SERVICES:
-            raise InvalidArgument(f"message seq={entry.seq} ({entry.kind}) cannot be played into a live node")
+            raise Unplayable(f"message seq={entry.seq} ({entry.kind}) cannot be played into a live node")
         req = entry.request
         _, srv = _SERVICES[entry.kind]
         if entry.kind == SNAPSHOT:
@@ -148,7 +174,7 @@ class LiveNode:
         return None
 
     def retake(self, entry: Entry, token: int) -> None:
-        raise InvalidArgument("a live replay plays no tokens")
+        raise Unplayable("a live replay plays no tokens")
 
     # ---- one call, one step -------------------------------------------------------------------------
     def _call(self, client: Any, request: Any) -> Any:
@@ -157,29 +183,25 @@ class LiveNode:
         future.add_done_callback(lambda _: done.set())
         if not done.wait(self._timeout):
             client.remove_pending_request(future)
-            raise self._unanswered(f"{client.srv_name}: no answer within {self._timeout:g} s")
+            raise Unanswered(f"{client.srv_name}: no answer within {self._timeout:g} s")
         return future.result()
-
-    def _unanswered(self, why: str) -> Refused:
-        self.problems.append(why)
-        return Refused(ErrorCode.INTERNAL, why)
 
     def _step(self, entry: Entry) -> bytes:
         if entry.seq not in self._inputs:
-            raise InvalidArgument(f"message seq={entry.seq}: a step without the messages it was built from")
+            raise Unplayable(f"message seq={entry.seq}: a step without the messages it was built from")
         pose, joints = self._inputs[entry.seq]
         with self._arrived:
             seen = len(self._actions)
         self._pose.publish(pose)
         if not self._pose.wait_for_all_acked(Duration(seconds=self._timeout)):
-            raise self._unanswered(f"the node did not take the ee_pose of step seq={entry.seq}")
+            raise Unanswered(f"the node did not take the ee_pose of step seq={entry.seq}")
         time.sleep(self._settle)
         self._joints.publish(joints)
         with self._arrived:
             if not self._arrived.wait_for(lambda: len(self._actions) > seen, self._timeout):
-                raise self._unanswered(f"no action within {self._timeout:g} s for step seq={entry.seq}: the node "
+                raise Unanswered(f"no action within {self._timeout:g} s for step seq={entry.seq}: the node "
                                        "dropped the observation (its log says why)")
             if len(self._actions) > seen + 1:
-                raise self._unanswered(f"{len(self._actions) - seen} actions for step seq={entry.seq}: another "
+                raise Unanswered(f"{len(self._actions) - seen} actions for step seq={entry.seq}: another "
                                        "publisher feeds the node")
             return self._actions[seen]

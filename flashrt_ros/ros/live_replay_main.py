@@ -26,7 +26,7 @@ from ..replay.recording import RECORDED_OUTPUTS
 from ..replay.session import platform_differences, platform_in
 from ..replay.verdicts import Tolerance
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP
-from .live_replay import LiveNode
+from .live_replay import LiveNode, Unanswered
 
 _PLAYED = {STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP}
 
@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashrt-replay --live: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     recorded = journal.session
-    node = LiveNode(recorded, recording.inputs, args.timeout, args.settle_ms / 1000)
+    try:
+        node = LiveNode(recorded, recording.inputs, args.timeout, args.settle_ms / 1000)
+    except Exception as exc:   # rclpy refusing a topic name from the record, say
+        print(f"flashrt-replay --live: cannot play into {recorded.get('node')}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 2
     try:
         try:
             live = node.connect()
@@ -64,11 +69,17 @@ def main(argv: list[str] | None = None) -> int:
               f"({recording.dropped_observations} observations with no action and {recording.skipped_calls} calls "
               f"that reached no engine left out" + "".join(f"; {note}" for note in recording.notes) + ")")
         print("platform: the recording's" if not differences else "platform differs: " + "; ".join(differences))
-        report = judge_on(journal.entries, node, tolerance, outputs=RECORDED_OUTPUTS)
+        try:
+            report = judge_on(journal.entries, node, tolerance, outputs=RECORDED_OUTPUTS)
+        except Unanswered as exc:   # the node behaved otherwise: it did not answer at all
+            print(f"MISMATCH: the live node gave no answer: {exc}", file=sys.stderr)
+            return 1
+        except Exception as exc:   # Unplayable, or the middleware failing under the player
+            print(f"flashrt-replay --live: cannot go on playing {args.bag}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return 2
     finally:
         node.close()
-    for problem in node.problems:
-        print(f"live node: {problem}", file=sys.stderr)
     if args.report:
         write_report(Path(args.report), journal.entries, report)
     print_verdicts(report, tolerance, verdict, recorded, here, "operation")

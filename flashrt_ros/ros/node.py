@@ -83,7 +83,6 @@ class FlashRTNode(LifecycleNode):
         self._dirty = threading.Event()
 
         self._action_group = ReentrantCallbackGroup()
-        self._policy_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
         self._capsule_services = CapsuleServices(self, (
             (Snapshot, "snapshot", self._snapshot), (Restore, "restore", self._restore), (Fork, "fork", self._fork),
@@ -138,8 +137,8 @@ class FlashRTNode(LifecycleNode):
                 self.get_logger().error(f"configure failed: journal_path: {outcome(exc)[1]}")
                 self._free()
                 return TransitionCallbackReturn.FAILURE
-        self._policy_io = PolicyIO(self, vals, self._policy_group, self._record, self._context_full,
-                                   self._policy_stepped, self._observation_rejected)
+        self._policy_io = PolicyIO(self, vals, self._record, self._context_full, self._policy_stepped,
+                                   self._observation_rejected)
         try:
             self._policy_io.start_episodes()
         except Exception as exc:

@@ -80,7 +80,9 @@ PARAMS = (
           "(x, y, z, then 1), zeros on every other step, so obs_dim = 2 x joints + 13; each goal starts an "
           "episode from the state configure left (the pinned episode-start capsule)"),
     Param("policy.frame_id", "", "frame ~/ee_pose and ~/goal must be stamped in; others are refused (empty: "
-          "not checked)", read_only=False),
+          "not checked)"),
+    Param("policy.command_stamp", "observation", "stamp of ~/joint_trajectory: the answered joint state's "
+          "(observation), or none (zero: start now)", choices=("observation", "zero")),
     Param("policy.input_reliability", "reliable", "QoS reliability of ~/joint_states and ~/ee_pose: "
           "best_effort also takes sensor-data (best-effort) publishers; reliable takes reliable ones only",
           choices=("reliable", "best_effort")),

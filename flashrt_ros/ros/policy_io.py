@@ -7,7 +7,9 @@ In:  ~/ee_pose (PoseStamped) and ~/joint_states (JointState), with the QoS relia
 Out: ~/action (JointTrajectoryPoint, the action vector as the engine gave it) and, when the
      action is a position per joint, ~/joint_trajectory (JointTrajectory): the command a
      ros2_control joint_trajectory_controller (or the simulated arm) takes, with the joint
-     names and, as its stamp, the stamp of the joint state it answers.
+     names; with ``policy.command_stamp`` "observation" its stamp is the answered joint
+     state's (a simulator matches the two, and can check the command's age), with "zero" it
+     is unstamped ("start now", as the message defines).
 
 With ``policy.goal`` each goal starts an episode: the state is restored from the capsule made
 at configure, before anything was committed ("episode-start", pinned), so that a robot can run
@@ -17,27 +19,37 @@ on /diagnostics, until a restore, rollback or goal frees it.
 """
 from __future__ import annotations
 
+import threading
 import traceback
 from typing import Any, Callable
 
 import numpy as np
 
 from geometry_msgs.msg import PoseStamped
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
-from ..errors import ContextFull, InvalidArgument
+from ..errors import ContextFull, FlashRTError, InvalidArgument
 from ..serving.observation import build_observation, stamp_gap, with_goal
 from .convert import outcome
+from .spinning import spin_until_shutdown
 
 EPISODE_CAPSULE = "episode-start"
 
 
 class PolicyIO:
-    """Made at configure with the node's policy parameters; ``close`` destroys what it made."""
+    """Made at configure with the node's policy parameters; ``close`` destroys what it made.
 
-    def __init__(self, node: Any, vals: dict[str, Any], callback_group: Any, record: Callable[[str, Any], None],
+    The topics live on a lean node of their own, spun by a single-threaded executor on a thread
+    of their own, as the capsule services are (``services``): the lifecycle node's
+    multi-threaded executor leaves a callback group that was busy out of its wait set and
+    looks again only at its next wake-up (a timer's), which put tens of milliseconds between a
+    joint state and its step. Their names are resolved as the lifecycle node's (``~`` is its)."""
+
+    def __init__(self, node: Any, vals: dict[str, Any], record: Callable[[str, Any], None],
                  on_full: Callable[[str], None], on_step: Callable[[], None], on_reject: Callable[[], None]) -> None:
         self._node, self._record, self._on_full = node, record, on_full
         self._on_step, self._on_reject = on_step, on_reject
@@ -47,36 +59,46 @@ class PolicyIO:
         self._goal_mode = bool(vals["policy.goal"])
         self._latest_pose: PoseStamped | None = None
         self._goal: tuple[float, float, float] | None = None
+        self._episode_id = ""   # the capsule each goal restores (start_episodes)
+        self._stamp_commands = vals["policy.command_stamp"] == "observation"
         self._full = False
         reliability = (ReliabilityPolicy.BEST_EFFORT if vals["policy.input_reliability"] == "best_effort"
                        else ReliabilityPolicy.RELIABLE)
         qos = QoSProfile(depth=10, reliability=reliability)
+        name = f"{node.get_name()}_policy"
+        # As for the capsule services' node: its own remaps come first in rcl's lookup.
+        self._io = Node(name, namespace=node.get_namespace(), context=node.context, start_parameter_services=False,
+                        cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={node.get_namespace()}"])
+        topic = node.resolve_topic_name
         # The pose first: an executor that finds both waiting takes them in the order they were
         # made, and a joint state is paired with the latest pose taken.
-        self._subscriptions = [
-            node.create_subscription(PoseStamped, "~/ee_pose", self._on_pose, qos, callback_group=callback_group),
-            node.create_subscription(JointState, "~/joint_states", self._on_joint_state, qos,
-                                     callback_group=callback_group)]
+        self._io.create_subscription(PoseStamped, topic("~/ee_pose"), self._on_pose, qos)
+        self._io.create_subscription(JointState, topic("~/joint_states"), self._on_joint_state, qos)
         if self._goal_mode:
-            self._subscriptions.append(node.create_subscription(PoseStamped, "~/goal", self._on_goal, 10,
-                                                                callback_group=callback_group))
-        self._action = node.create_publisher(JointTrajectoryPoint, "~/action", 10)
-        self._trajectory = (node.create_publisher(JointTrajectory, "~/joint_trajectory", 10)
+            self._io.create_subscription(PoseStamped, topic("~/goal"), self._on_goal, 10)
+        self._action = self._io.create_publisher(JointTrajectoryPoint, topic("~/action"), 10)
+        self._trajectory = (self._io.create_publisher(JointTrajectory, topic("~/joint_trajectory"), 10)
                             if vals["policy.action_dim"] == len(self.joint_names) else None)
+        self._executor = SingleThreadedExecutor(context=node.context)
+        self._executor.add_node(self._io)
+        self._thread = threading.Thread(target=self._spin, name="policy-io", daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        spin_until_shutdown(self._executor, self._io.context,
+                            lambda trace: self._node.get_logger().error(f"policy callback failed:\n{trace}"))
 
     def close(self) -> None:
-        for subscription in self._subscriptions:
-            self._node.destroy_subscription(subscription)
-        self._subscriptions = []
-        for publisher in (self._action, self._trajectory):
-            if publisher is not None:
-                self._node.destroy_publisher(publisher)
+        """Stop taking observations; a step in flight finishes first (it holds the engine lock)."""
         self._action = self._trajectory = None
+        self._executor.shutdown(timeout_sec=0)
+        self._thread.join(5.0)
+        self._io.destroy_node()
 
     def start_episodes(self) -> None:
         """With goals: the capsule each goal restores (the state as configure left it)."""
         if self._goal_mode:
-            self._node.session.snapshot(name=EPISODE_CAPSULE, pin=True)
+            self._episode_id = self._node.session.snapshot(name=EPISODE_CAPSULE, pin=True).info.id
 
     # ---- inputs -------------------------------------------------------------------------------------
     def _in_frame(self, msg: PoseStamped, topic: str) -> bool:
@@ -101,10 +123,12 @@ class PolicyIO:
         try:
             goal = (float(p.x), float(p.y), float(p.z))
             with_goal(np.zeros(0, dtype=np.float32), goal)   # finite, or refused here
-            episode = next(c for c in session.list() if c.name == EPISODE_CAPSULE)
-            session.restore(episode.id)
-        except (InvalidArgument, StopIteration) as exc:
-            self._reject(f"goal refused: {exc or 'the episode-start capsule is gone'}")
+            session.restore(self._episode_id)
+        except FlashRTError as exc:   # the capsule dropped by a client, say: the live state is untouched
+            self._reject(f"goal refused: {outcome(exc)[1]}")
+            return
+        except Exception as exc:  # a goal must never take the node down
+            self._node.get_logger().error(f"goal failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
             return
         self._goal, self._full = goal, False
 
@@ -153,15 +177,21 @@ class PolicyIO:
         self._publish(action.double().tolist(), msg)
 
     def _publish(self, positions: list[float], answered: JointState) -> None:
-        if self._action is not None:
-            command = JointTrajectoryPoint(positions=positions)
-            self._action.publish(command)
-            self._record("~/action", command)
-        if self._trajectory is not None:
-            trajectory = JointTrajectory(joint_names=self.joint_names,
-                                         points=[JointTrajectoryPoint(positions=positions)])
-            trajectory.header.stamp = answered.header.stamp
-            self._trajectory.publish(trajectory)
+        action, trajectory_out = self._action, self._trajectory   # close() may run meanwhile
+        try:
+            if action is not None:
+                command = JointTrajectoryPoint(positions=positions)
+                action.publish(command)
+                self._record("~/action", command)
+            if trajectory_out is not None:
+                trajectory = JointTrajectory(joint_names=self.joint_names,
+                                             points=[JointTrajectoryPoint(positions=positions)])
+                if self._stamp_commands:
+                    trajectory.header.stamp = answered.header.stamp
+                trajectory_out.publish(trajectory)
+        except Exception as exc:   # destroyed by a cleanup that ran meanwhile: the step is committed
+            if self._node.context.ok():
+                self._node.get_logger().error(f"action not published: {outcome(exc)[1]}")
 
     def _reject(self, why: str) -> None:
         self._on_reject()

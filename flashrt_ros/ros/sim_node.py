@@ -17,14 +17,18 @@ time old (an unstamped command, stamp zero, means "now", as the message defines)
 Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` at rest; ~/jam
 (std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it.
 
-Time: with ``lockstep`` true, a control period is stepped once a valid command answering the
-latest state has come (its stamp is that state's): deterministic for a seed, and as fast as the
-policy answers. Otherwise a wall-clock timer steps it, ``speed`` times faster than real time.
+Time: with ``lockstep`` true, a control period is stepped once a command answering the latest
+state has come (its stamp is that state's; a refused one steps with the targets held):
+deterministic for a seed, and as fast as the policy answers. A state nobody answers within
+``lockstep_patience`` s of wall clock is stepped with the targets held too (0: wait for ever).
+In lockstep nothing is published before the first ~/reset. Otherwise a wall-clock timer steps
+it, ``speed`` times faster than real time, from the start.
 """
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any
 
 from builtin_interfaces.msg import Time
@@ -62,38 +66,46 @@ class SimNode(Node):
         self.declare_parameter("lockstep", False)
         self.declare_parameter("frame_id", "base_link")
         self.declare_parameter("max_command_age", 0.5)
+        self.declare_parameter("lockstep_patience", 1.0)
         self.arm = Arm()
-        self.refused = 0
+        self.refused = self.unanswered = 0
         self._lock = threading.Lock()
         self._state: ArmState | None = None
+        self._published_at = 0.0   # wall clock (monotonic) of the last state published
         self._joints = self.create_publisher(JointState, "joint_states", 10)
         self._pose = self.create_publisher(PoseStamped, "ee_pose", 10)
-        self._clock = self.create_publisher(Clock, "/clock", 10)
+        self._clock_out = self.create_publisher(Clock, "/clock", 10)
         self._goal = self.create_publisher(PoseStamped, "~/episode_goal", _LATCHED)
         self.create_subscription(JointTrajectory, "joint_trajectory", self._on_command, 10)
         self.create_service(Trigger, "~/reset", self._on_reset)
         self.create_service(SetBool, "~/jam", self._on_jam)
         speed = float(self.get_parameter("speed").value)
         self._lockstep = bool(self.get_parameter("lockstep").value)
+        patience = float(self.get_parameter("lockstep_patience").value)
         if not self._lockstep:
             if speed <= 0:
                 raise InvalidArgument(f"speed must be > 0 (a multiple of real time), got {speed}")
             self.create_timer(self.arm.period / speed, self._tick)
-        self._reset()
+        elif patience > 0:
+            self.create_timer(patience / 4, lambda: self._unanswered(patience))
+        self._reset(publish=not self._lockstep)   # the episode's goal, latched, either way
 
     # ---- episodes and disturbances ------------------------------------------------------------------
-    def _reset(self) -> ArmState:
+    def _reset(self, publish: bool = True) -> None:
+        """The episode of parameter ``seed``, at rest: its goal published, and its first state
+        unless ``publish`` is false (lockstep before the first ~/reset: no state goes out)."""
         episode = Episode.sample(int(self.get_parameter("seed").value))
         with self._lock:
-            self._state = self.arm.reset(episode.start)
+            state = self.arm.reset(episode.start)
             goal = PoseStamped()
             goal.header.frame_id = self.get_parameter("frame_id").value
             goal.header.stamp = stamp_of(0.0)
             goal.pose.position.x, goal.pose.position.y, goal.pose.position.z = (float(v) for v in episode.goal)
             goal.pose.orientation.w = 1.0
             self._goal.publish(goal)
-            self._publish(self._state)
-            return self._state
+            if publish:
+                self._state = state
+                self._publish(state)
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         self._reset()
@@ -116,13 +128,24 @@ class SimNode(Node):
         except InvalidArgument as exc:
             self.refused += 1
             self.get_logger().warning(f"command refused: {exc}", throttle_duration_sec=2.0)
-            return
+            target = None
         with self._lock:
-            self.arm.command(target)
+            if target is not None:
+                self.arm.command(target)
             answers = self._state is not None and msg.header.stamp == stamp_of(self._state.time)
-            if self._lockstep and answers:
-                self._state = self.arm.advance()
-                self._publish(self._state)
+            if self._lockstep and answers:   # refused or not, the policy answered: time goes on
+                self._advance()
+
+    def _unanswered(self, patience: float) -> None:
+        """Lockstep: a state the policy has not answered within ``patience`` s of wall clock (an
+        observation it dropped) is stepped with the targets held, so the episode goes on."""
+        with self._lock:
+            if self._state is None or time.monotonic() - self._published_at < patience:
+                return
+            self.unanswered += 1
+            self.get_logger().warning(f"no command answered the state at t={self._state.time:.2f} s within "
+                                      f"{patience:g} s: stepping with the targets held", throttle_duration_sec=2.0)
+            self._advance()
 
     def _check(self, msg: JointTrajectory) -> Any:
         if not msg.points:
@@ -132,6 +155,9 @@ class SimNode(Node):
         stamped = msg.header.stamp.sec or msg.header.stamp.nanosec
         with self._lock:
             now = self.arm.state().time
+        if stamped and seconds_of(msg.header.stamp) > now + 1e-9:
+            raise InvalidArgument(f"stamped {seconds_of(msg.header.stamp):.3f} s, after the simulation's "
+                                  f"{now:.3f} s (a command from before a reset?)")
         if age_limit > 0 and stamped and now - seconds_of(msg.header.stamp) > age_limit:
             raise InvalidArgument(f"stamped {now - seconds_of(msg.header.stamp):.3f} s of simulation time ago "
                                   f"(max_command_age {age_limit:g} s)")
@@ -140,12 +166,16 @@ class SimNode(Node):
     # ---- time ---------------------------------------------------------------------------------------
     def _tick(self) -> None:
         with self._lock:
-            self._state = self.arm.advance()
-            self._publish(self._state)
+            self._advance()
+
+    def _advance(self) -> None:
+        """One control period, and the state it ends in published (the caller holds the lock)."""
+        self._state = self.arm.advance()
+        self._publish(self._state)
 
     def _publish(self, state: ArmState) -> None:
         stamp = stamp_of(state.time)
-        self._clock.publish(Clock(clock=stamp))
+        self._clock_out.publish(Clock(clock=stamp))
         joints = JointState(name=list(JOINT_NAMES), position=state.position.tolist(), velocity=state.velocity.tolist())
         joints.header.stamp = stamp
         pose = PoseStamped()
@@ -156,6 +186,7 @@ class SimNode(Node):
         # The pose first: the policy node pairs a joint state with the latest pose it took.
         self._pose.publish(pose)
         self._joints.publish(joints)
+        self._published_at = time.monotonic()
 
 
 def main(argv: list[str] | None = None) -> int:

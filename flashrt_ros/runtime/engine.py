@@ -650,7 +650,9 @@ class Engine:
     # ---- checks --------------------------------------------------------------------------------
     def _check_room(self, n: int) -> None:
         if self._state.position + n > self.max_seq_len:
-            raise ContextFull(
+            # Full: nothing at all fits until room is freed. Otherwise the request is too long.
+            error = ContextFull if self._state.position >= self.max_seq_len else InvalidArgument
+            raise error(
                 f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
                 f"(position is {self._state.position})")
 

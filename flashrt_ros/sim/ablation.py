@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=len(ABLATION_SEEDS))
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error("--episodes must be at least 1")
     result = run(args.policy, range(ABLATION_SEEDS.start, ABLATION_SEEDS.start + args.episodes))
     print(result.table())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ from .task import ACTION_DIM, OBS_DIM, Episode
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "policies" / "reach_arm"
 TRAIN_SEEDS = range(10_000, 12_000)
 DAGGER_EPISODES = 1000
-HELD_OUT_SEEDS = range(0, 100)   # the ablation's episodes are drawn from these too
+HELD_OUT_SEEDS = range(0, 100)   # undisturbed episodes, never trained on (the ablation's are 500-519)
 _NOT_HF = ("architectures", "model_type", "mtp_num_hidden_layers", "obs_dim", "action_dim")
 
 
