@@ -9,7 +9,7 @@ Out: ~/action (JointTrajectoryPoint, the action vector as the engine gave it) an
      ros2_control joint_trajectory_controller (or the simulated arm) takes, with the joint
      names; with ``policy.command_stamp`` "observation" its stamp is the answered joint
      state's (a simulator matches the two, and can check the command's age), with "zero" it
-     is unstamped ("start now", as the message defines).
+     is unstamped (start now, as joint_trajectory_controller reads a zero stamp).
 
 With ``policy.goal`` each goal starts an episode: the state is restored from the capsule made
 at configure, before anything was committed ("episode-start", pinned), so that a robot can run
@@ -44,10 +44,9 @@ class PolicyIO:
     """Made at configure with the node's policy parameters; ``close`` destroys what it made.
 
     The topics live on a lean node of their own, spun by a single-threaded executor on a thread
-    of their own, as the capsule services are (``services``): the lifecycle node's
-    multi-threaded executor leaves a callback group that was busy out of its wait set and
-    looks again only at its next wake-up (a timer's), which put tens of milliseconds between a
-    joint state and its step. Their names are resolved as the lifecycle node's (``~`` is its)."""
+    of their own, for the reason the capsule services are (``services``): a callback's wake-up
+    pays for every entity its executor waits on, and the lifecycle node carries dozens. Their
+    names are resolved as the lifecycle node's (``~`` is its)."""
 
     def __init__(self, node: Any, vals: dict[str, Any], record: Callable[[str, Any], None],
                  on_full: Callable[[str], None], on_step: Callable[[], None], on_reject: Callable[[], None]) -> None:
