@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
@@ -96,7 +97,11 @@ class FlashRTNode(LifecycleNode):
         self._status_pub = self.create_publisher(RuntimeStatus, "~/status", _STATUS_QOS)
         self._session_pub = self.create_publisher(JournalSession, "~/session", _STATUS_QOS)
         self._diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self.create_timer(_DIRTY_POLL_S, self._poll, callback_group=self._timer_group)
+        # The node's own timers keep wall-clock time, as its leases do: on the node's clock, under
+        # use_sim_time with a simulation faster than real time, they would fire on every tick of
+        # /clock and take the interpreter from the policy's steps.
+        self._steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self.create_timer(_DIRTY_POLL_S, self._poll, callback_group=self._timer_group, clock=self._steady)
         self._restart_status_timer(self.get_parameter("status_rate").value)
         self._dirty.set()
 
@@ -265,7 +270,8 @@ class FlashRTNode(LifecycleNode):
             self.destroy_timer(self._status_timer)
             self._status_timer = None
         if rate > 0:
-            self._status_timer = self.create_timer(1.0 / rate, self._publish_status, callback_group=self._timer_group)
+            self._status_timer = self.create_timer(1.0 / rate, self._publish_status, callback_group=self._timer_group,
+                                                   clock=self._steady)
 
     # ---- services ----------------------------------------------------------------------------------
     def _serve(self, kind: str, response: Any,
