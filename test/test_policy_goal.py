@@ -119,3 +119,23 @@ def test_a_full_context_is_said_once_with_context_full(ros_context):
         _until(lambda: h.node.engine.position == 15, what="a step after the rollback")
     finally:
         h.close()
+
+
+def test_commands_for_a_controller_that_starts_them_now_are_unstamped(ros_context):
+    from trajectory_msgs.msg import JointTrajectory
+
+    h = Harness(ros_context, {**GOAL_MODE, "policy.command_stamp": "zero"})
+    try:
+        commands = []
+        heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 10)
+        joints, poses = h.policy_publishers()
+        _until(lambda: heard.get_publisher_count() > 0, what="matched")
+        pose, state = _messages(h, 7.5)
+        poses.publish(pose)
+        time.sleep(0.1)
+        joints.publish(state)
+        _until(lambda: len(commands) == 1, what="a command")
+        assert (commands[0].header.stamp.sec, commands[0].header.stamp.nanosec) == (0, 0)
+        assert list(commands[0].joint_names) == JOINTS
+    finally:
+        h.close()
