@@ -10,9 +10,10 @@ Only what DDS shows is judged: actions, outcomes, error codes, capsule ids and t
 the services answer. State digests are not published, and Generate goals (which rosbag2 cannot
 record, Jazzy introspecting no actions) are not played.
 
-The node must start where the recorded one did: the same model and platform (its own
-``~/session`` record says which), with the capsules the recorded one found at start, and no
-calls or steps before the first recorded one.
+The node must start where the recorded one did: the same model and layout (its own
+``~/session`` record says which; its platform decides whether exact or portable applies), with
+the capsules the recorded one found at start, and no calls or steps before the first recorded
+one (the player does not check that: a node that served before answers at other positions).
 
 The node takes the latest pose when a joint state arrives, and DDS orders messages per topic
 only: the player sends a step's pose, waits until the node's reader has acknowledged it and for
