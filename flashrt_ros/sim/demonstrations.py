@@ -40,7 +40,7 @@ def demonstrate(seeds: range, arm: Arm | None = None, policy: Any = None) -> Dem
     observations, targets = [], []
     for seed in seeds:
         episode = Episode.sample(seed)
-        rng = np.random.default_rng(seed + 7919)
+        rng = np.random.default_rng(seed + 7919)   # a stream of its own: Episode.sample draws from seed
         if policy is not None:
             policy.reset()
         state = arm.reset(episode.start)
