@@ -71,3 +71,33 @@ def test_the_tree_rolls_the_policy_back_after_a_jam_and_the_session_replays(monk
     done = subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", str(result.bag), "--verdict", "portable"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "portable: pass" in done.stdout, done.stdout + done.stderr
+
+
+@TRAINED
+def test_the_engine_acts_as_the_training_reference_on_the_shipped_policy():
+    """The checkpoint the engine runs is the model training optimised: transformers'
+    Qwen3_5ForCausalLM with the policy heads gives the same actions over whole episodes."""
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file
+
+    from flashrt_ros.runtime import Engine
+    from flashrt_ros.sim.demonstrations import demonstrate
+    from flashrt_ros.sim.train_policy import actions, build, policy_config
+
+    model = build(policy_config(), seed=0)
+    tensors = load_file(str(DEFAULT_OUT / "model.safetensors"))
+    model["lm"].load_state_dict({k: v for k, v in tensors.items() if not k.startswith("policy.")})
+    for head in ("obs_proj", "action_head"):
+        model[head].load_state_dict({p: tensors[f"policy.{head}.{p}"] for p in ("weight", "bias")})
+    demos = demonstrate(range(2))
+    engine = Engine.from_pretrained(DEFAULT_OUT, max_seq_len=64)
+    try:
+        for episode in torch.from_numpy(demos.observations):
+            with torch.no_grad():
+                reference = actions(model, episode[None])[0]
+            engine.reset()
+            ours = torch.stack([engine.step(o) for o in episode])
+            assert (ours - reference).abs().max() < 1e-5
+    finally:
+        engine.close()
