@@ -47,7 +47,6 @@ class World:
         self.period_at: list[float] = []   # when each came (monotonic s): the loop's pace
         self.commands = 0     # JointTrajectory answers of the policy this episode
         self.pose: PoseStamped | None = None
-        self.paths: list[list[tuple[float, float]]] = []
         node.create_subscription(PoseStamped, f"{sim}/episode_goal", self._on_goal, _LATCHED)
         node.create_subscription(JointState, f"{server}/joint_states", self._on_state, 100)
         node.create_subscription(PoseStamped, f"{server}/ee_pose", self._on_pose, 100)
@@ -65,8 +64,6 @@ class World:
 
     def _on_pose(self, msg: PoseStamped) -> None:
         self.pose = msg
-        if self.paths:
-            self.paths[-1].append((msg.pose.position.x, msg.pose.position.y))
 
     def _on_command(self, msg: JointTrajectory) -> None:
         self.commands += 1
@@ -156,7 +153,6 @@ class Attempt(py_trees.behaviour.Behaviour):
     def initialise(self) -> None:
         self._until = self.world.periods + ATTEMPT_STEPS
         self._seen, self._deadline = self.world.periods, time.monotonic() + self.stall_s
-        self.world.paths.append([])
 
     def update(self) -> Status:
         world = self.world

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..resources import package_file
 from . import reach
 from .charts import timeline, ttft_bars
 
@@ -51,7 +52,7 @@ def _task_context(tokens: int) -> str:
 def _bag_observations(limit: int) -> list[list[float]]:
     from ..replay.bag import read_bag
 
-    journal = read_bag(reach.share_dir() / "data" / "bags" / "attempt_with_rollback")
+    journal = read_bag(package_file("data/bags/attempt_with_rollback"))
     return [e.request["observation"] for e in journal.entries if e.kind == "step"][:limit]
 
 

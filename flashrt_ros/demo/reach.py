@@ -20,21 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..resources import package_file
 from ..sim import ablation
 from ..sim.train_policy import DEFAULT_OUT
 
 WIRING = ["-r", "joint_states:=/flashrt/joint_states", "-r", "ee_pose:=/flashrt/ee_pose",
           "-r", "joint_trajectory:=/flashrt/joint_trajectory"]
-
-
-def share_dir() -> Path:
-    """share/flashrt_ros of the install space, else the source tree."""
-    try:
-        from ament_index_python.packages import get_package_share_directory
-
-        return Path(get_package_share_directory("flashrt_ros"))
-    except Exception:  # running from a source tree without the install space
-        return Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -64,7 +55,7 @@ def over_ros(out: Path, seed: int = ablation.ABLATION_SEEDS.start, policy: Path 
                  "-p", f"seed:={seed}", *WIRING], stdout=logs, stderr=subprocess.STDOUT, env=env))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
-                 str(share_dir() / "config" / "reach_sim.yaml"), "-p", f"model_path:={policy}",
+                 str(package_file("config/reach_sim.yaml")), "-p", f"model_path:={policy}",
                  "-p", f"journal_path:={journals}", "--log-level", "warn"],
                 stdout=logs, stderr=subprocess.STDOUT, env=env))
             rclpy.init(context=context)

@@ -8,7 +8,6 @@ Generate_Goal, Generate_Result and Generate_Feedback.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import struct
 from pathlib import Path
@@ -18,20 +17,14 @@ from rosbags.serde import SerdeError
 from rosbags.typesys import Stores, get_typestore, get_types_from_msg
 from rosbags.typesys.store import Typestore
 
-PACKAGE = "flashrt_ros"
+from ..resources import PACKAGE, package_file
+
 _PARTS = {"srv": ("Request", "Response"), "action": ("Goal", "Result", "Feedback")}
 
 
 def interface_dir() -> Path:
-    """Where the interface files are: the source tree (also behind a symlink install), else
-    share/flashrt_ros of a prefix on AMENT_PREFIX_PATH (an install without the sources)."""
-    candidates = [Path(__file__).resolve().parents[2]]
-    candidates += [Path(p) / "share" / PACKAGE for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p]
-    for folder in candidates:
-        if (folder / "msg" / "JournalEntry.msg").is_file():
-            return folder
-    raise FileNotFoundError(f"no {PACKAGE} interface files (msg/JournalEntry.msg) in the source tree or under "
-                            "AMENT_PREFIX_PATH: source the install space")
+    """Where the interface files are (msg/, srv/, action/)."""
+    return package_file("msg/JournalEntry.msg").parents[1]
 
 
 def definitions(folder: Path) -> dict[str, str]:

@@ -42,8 +42,9 @@ from ..replay.types import deserialize
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 
-_SERVICES = {SNAPSHOT: ("snapshot", Snapshot), FORK: ("fork", Fork), RESTORE: ("restore", Restore),
-             ROLLBACK: ("rollback", Rollback), DROP: ("drop_capsule", DropCapsule)}
+# The calls a live replay plays (besides steps): kind -> (service under the node, type).
+PLAYED_CALLS = {SNAPSHOT: ("snapshot", Snapshot), FORK: ("fork", Fork), RESTORE: ("restore", Restore),
+                ROLLBACK: ("rollback", Rollback), DROP: ("drop_capsule", DropCapsule)}
 _LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
 
 
@@ -83,7 +84,7 @@ class LiveNode:
         self._session: dict[str, Any] | None = None
         self._node.create_subscription(JournalSession, f"{name}/session", self._on_session, _LATCHED, raw=True)
         self._clients = {kind: self._node.create_client(srv, f"{name}/{service}")
-                         for kind, (service, srv) in _SERVICES.items()}
+                         for kind, (service, srv) in PLAYED_CALLS.items()}
         self._list = self._node.create_client(ListCapsules, f"{name}/list_capsules")
         self._executor = SingleThreadedExecutor(context=self._context)
         self._executor.add_node(self._node)
@@ -147,10 +148,10 @@ class LiveNode:
     def apply(self, entry: Entry, ids: dict[str, str]) -> dict[str, Any]:
         if entry.kind == STEP:
             return {"action": self._step(entry).hex()}
-        if entry.kind not in _SERVICES:
+        if entry.kind not in PLAYED_CALLS:
             raise Unplayable(f"message seq={entry.seq} ({entry.kind}) cannot be played into a live node")
         req = entry.request
-        _, srv = _SERVICES[entry.kind]
+        _, srv = PLAYED_CALLS[entry.kind]
         if entry.kind == SNAPSHOT:
             request = srv.Request(name=req["name"], tier=req.get("requested_tier", req["tier"]), pin=req["pin"],
                                   request_id=req["request_id"], lease_s=req["lease_s"])

@@ -25,10 +25,10 @@ from ..replay.journal import check_entries, judge_on
 from ..replay.recording import RECORDED_OUTPUTS
 from ..replay.session import platform_differences, platform_in
 from ..replay.verdicts import Tolerance
-from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP
-from .live_replay import LiveNode, Unanswered
+from ..serving.journal import STEP
+from .live_replay import PLAYED_CALLS, LiveNode, Unanswered
 
-_PLAYED = {STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP}
+_PLAYED = {STEP, *PLAYED_CALLS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,11 +19,10 @@ on /diagnostics, until a restore, rollback or goal frees it.
 """
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 from typing import Any, Callable
-
-import numpy as np
 
 from geometry_msgs.msg import PoseStamped
 from rclpy.executors import SingleThreadedExecutor
@@ -119,9 +118,11 @@ class PolicyIO:
         if not node.serving or session is None or not self._in_frame(msg, "~/goal"):
             return
         p = msg.pose.position
+        goal = (float(p.x), float(p.y), float(p.z))
+        if not all(math.isfinite(v) for v in goal):
+            self._reject(f"goal refused: its position {goal} is not finite")
+            return
         try:
-            goal = (float(p.x), float(p.y), float(p.z))
-            with_goal(np.zeros(0, dtype=np.float32), goal)   # finite, or refused here
             session.restore(self._episode_id)
         except FlashRTError as exc:   # the capsule dropped by a client, say: the live state is untouched
             self._reject(f"goal refused: {outcome(exc)[1]}")

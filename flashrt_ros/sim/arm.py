@@ -7,7 +7,6 @@ before they are taken (``check_command``): a refused command leaves the targets 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -16,20 +15,14 @@ import mujoco
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..resources import package_file
 
 JOINT_NAMES = ("joint1", "joint2", "joint3")
 CONTROL_PERIOD_S = 0.05
 
 
 def model_path() -> Path:
-    """data/sim/reach_arm.xml of the source tree, else of share/flashrt_ros on AMENT_PREFIX_PATH."""
-    candidates = [Path(__file__).resolve().parents[2] / "data"]
-    candidates += [Path(p) / "share" / "flashrt_ros" / "data" for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p]
-    for folder in candidates:
-        if (folder / "sim" / "reach_arm.xml").is_file():
-            return folder / "sim" / "reach_arm.xml"
-    raise FileNotFoundError("data/sim/reach_arm.xml is in neither the source tree nor an install space on "
-                            "AMENT_PREFIX_PATH")
+    return package_file("data/sim/reach_arm.xml")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,20 @@
+"""The package's files that are not Python (interfaces, data, config), wherever it runs from."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE = "flashrt_ros"
+
+
+def package_file(relative: str) -> Path:
+    """``relative`` (a path from the source tree's root, such as ``data/sim/reach_arm.xml``) in
+    the source tree (also behind a symlink install), else in share/flashrt_ros of a prefix on
+    AMENT_PREFIX_PATH (an install without the sources); FileNotFoundError naming both."""
+    candidates = [Path(__file__).resolve().parents[1]]
+    candidates += [Path(p) / "share" / PACKAGE for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p]
+    for root in candidates:
+        if (root / relative).exists():
+            return root / relative
+    raise FileNotFoundError(f"{relative} is in neither the source tree nor share/{PACKAGE} of a prefix on "
+                            "AMENT_PREFIX_PATH: source the install space")
