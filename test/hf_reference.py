@@ -7,6 +7,27 @@ import torch
 
 from flashrt_ros.runtime import ModelConfig
 
+# Random transformers-built models the engine is checked against: GQA, odd sizes with tied
+# embeddings and a full-attention layer first, no conv state, and products wide enough to split
+# over threads.
+CONFIGS = {
+    "3linear_1full_gqa": ModelConfig.tiny(vocab_size=300),
+    "full_first_odd_sizes_tied": ModelConfig.tiny(
+        vocab_size=317, hidden_size=72, intermediate_size=100,
+        layer_types=("full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"),
+        num_attention_heads=3, num_key_value_heads=1, head_dim=24,
+        linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=20, linear_value_head_dim=12,
+        linear_conv_kernel_dim=3, tie_word_embeddings=True),
+    "mha_equal_linear_heads_half_rotary_conv1": ModelConfig.tiny(
+        vocab_size=280, hidden_size=64, intermediate_size=96,
+        layer_types=("linear_attention",) * 5 + ("full_attention",),
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32,
+        linear_conv_kernel_dim=1),   # no conv state at all: its window slicing must still hold
+    # Projections of 512 KiB and more: wide enough that the products split their work over threads.
+    "wide": ModelConfig.tiny(vocab_size=300, hidden_size=512, intermediate_size=1024),
+}
+
 _NOT_HF_FIELDS = ("architectures", "model_type", "mtp_num_hidden_layers", "obs_dim", "action_dim")
 
 

@@ -101,9 +101,17 @@ class StateArena:
         self.views: dict[str, torch.Tensor] = {r.name: self._view(r) for r in regions}
         self.fixed_bytes = max((r.offset + r.nbytes for r in regions if not r.per_token), default=0)
 
-    def _view(self, region: Region) -> torch.Tensor:
-        raw = self.buffer[region.offset:region.offset + region.nbytes]
+    def _view(self, region: Region, base: torch.Tensor | None = None) -> torch.Tensor:
+        raw = (self.buffer if base is None else base)[region.offset:region.offset + region.nbytes]
         return raw.view(region.dtype).view(region.shape)
+
+    def fixed_views(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fixed-size regions' views over ``image``, a uint8 tensor of ``fixed_bytes`` that
+        holds (or will hold) a copy of the arena's fixed block, laid out as it is."""
+        if image.dtype != torch.uint8 or image.shape != (self.fixed_bytes,):
+            raise ValueError(f"a fixed-block image is uint8 [{self.fixed_bytes}], got {image.dtype} "
+                             f"{tuple(image.shape)}")
+        return {r.name: self._view(r, image) for r in self.regions if not r.per_token}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.views[name]

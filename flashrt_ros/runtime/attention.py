@@ -64,7 +64,7 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keys, values = k_cache[:span.length], v_cache[:span.length]
     scale = q.shape[-1] ** -0.5
     if q.shape[0] == 1:   # a one-token chunk sees every row: ``own`` needs no mask
-        return _attend_one(q, keys, values, span.mask, scale)
+        return attend_one(q, keys, values, span.mask, scale)
     if span.own:
         start = span.length - span.own
         # The op trusts its inputs: rows that are not contiguous in their last dimension
@@ -129,7 +129,7 @@ def _attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     return out.reshape(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
 
 
-def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                 scale: float) -> torch.Tensor:
     """One query row: grouped heads by reshaping the query, never by copying K and V
     (SDPA's GQA path repeats the cache per query head on CPU)."""

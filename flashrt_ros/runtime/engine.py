@@ -19,7 +19,7 @@ from .. import digest
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..capsule.errors import CapsuleError, CorruptCapsule
 from ..errors import ContextFull, FlashRTError, InvalidArgument, Preempted, shown
-from . import inputs, weights as weights_io
+from . import inputs, mtp_head, sampling, weights as weights_io
 from .arena import GROUPS, StateArena
 from .backends import cpu as cpu_backend
 from .config import ModelConfig
@@ -29,6 +29,7 @@ from .history import DECODE, PREFILL, STEP, Boundary, RingSlots, appended, betwe
 from .inputs import is_int
 from .models.qwen35 import Qwen35, state_specs
 from .options import EngineOptions
+from .speculative import Speculation, SpeculationStats
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ class Engine:
             raise InvalidArgument(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype {dtype} is not supported ({', '.join(map(str, _DTYPES))})")
+        weights = dict(weights)
+        draft_vocab = weights.pop(mtp_head.DRAFT_VOCAB, None)
+        if draft_vocab is not None:
+            mtp_head.check_draft_vocab(cfg, draft_vocab)
         weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
         self.config = cfg
         self.device = inputs.device(device)
@@ -68,7 +73,7 @@ class Engine:
         # arena, the pool and the rollback ring outside it, which inference tensors refuse.
         with torch.inference_mode(False):
             try:
-                self._build(cfg, weights, opts)
+                self._build(cfg, weights, opts, draft_vocab)
             except BaseException as exc:
                 if hasattr(self, "capsules"):   # its digest thread and device pool: a refusal keeps nothing
                     self.capsules.close()
@@ -80,7 +85,8 @@ class Engine:
                                       f"{self.max_seq_len}, rollback_depth={opts.rollback_depth}): "
                                       f"{str(exc).splitlines()[0][:200]}") from None
 
-    def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: EngineOptions) -> None:
+    def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: EngineOptions,
+               draft_vocab: torch.Tensor | None) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
         self.cpu_kernels = opts.cpu_kernels and cpu_backend.serves(self.device, self.dtype)
         if opts.cpu_kernels and not self.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
@@ -103,6 +109,13 @@ class Engine:
             self.model_fingerprint, self.device, budgets, opts.spill, opts.capsule_dir, lock=self._lock,
             log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE), key=opts.capsule_key)
         self._slots = RingSlots(depth, self.arena.fixed_bytes, self.device)
+        self._speculation = None
+        if cfg.mtp_num_hidden_layers:
+            if self.cpu_kernels and opts.max_draft_tokens + 1 > cpu_backend.row_product.MAX_ROWS:
+                raise InvalidArgument(f"max_draft_tokens={opts.max_draft_tokens}: a verify of that many drafts "
+                                      f"and the main model's token exceeds the row kernel's "
+                                      f"{cpu_backend.row_product.MAX_ROWS} rows")
+            self._speculation = Speculation(self.arena, self.model, opts.max_draft_tokens, draft_vocab)
         self._state = Boundary()
         # 4. warm up + 5. capture graphs (the warm-up writes state, so zero it after)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
@@ -136,23 +149,34 @@ class Engine:
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, **options: Any) -> "Engine":
-        """An engine with deterministic seeded weights (the embedded default uses ``ModelConfig.tiny()``)."""
+                    dtype: torch.dtype = torch.float32, max_seq_len: int = 4096,
+                    mtp_head: str | Path | None = None, **options: Any) -> "Engine":
+        """An engine with deterministic seeded weights (the embedded default uses ``ModelConfig.tiny()``).
+        ``mtp_head``: a head file (``runtime.mtp_head``) in place of the seeded MTP layer."""
         inputs.check_seed(seed)
-        return cls(cfg, weights_io.seeded_weights(cfg, seed), device=device, dtype=dtype,
-                   max_seq_len=max_seq_len, seeded=tuple(weights_io.expected_shapes(cfg)), **options)
+        weights = weights_io.seeded_weights(cfg, seed)
+        seeded = [name for name in weights_io.expected_shapes(cfg)]
+        if mtp_head:
+            weights, seeded = _with_head(cfg, weights, seeded, mtp_head)
+        return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=tuple(seeded),
+                   **options)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, seed: int = 0,
-                        policy_dims: tuple[int, int] | None = None, **options: Any) -> "Engine":
+                        policy_dims: tuple[int, int] | None = None, mtp_head: str | Path | None = None,
+                        **options: Any) -> "Engine":
         """Load a Hugging Face checkpoint folder (config.json + *.safetensors, single or sharded).
 
         ``mtp.*`` and policy weights absent from the checkpoint are seeded with ``seed``.
         ``policy_dims`` = (obs_dim, action_dim) overrides the checkpoint's policy heads.
+        ``mtp_head``: a head file (``runtime.mtp_head``, as ``flashrt-train-mtp`` writes) in
+        place of the checkpoint's MTP layer.
         """
         inputs.check_seed(seed)
         cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
+        if mtp_head:
+            weights, seeded = _with_head(cfg, weights, seeded, mtp_head)
         stops = weights_io.stop_token_ids(path, cfg)
         engine = cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
         engine.stop_token_ids = stops
@@ -304,36 +328,47 @@ class Engine:
                 raise _NotFinite
             self._commit(STEP, 1)
 
-    def _commit(self, kind: str, count: int) -> None:
-        """The boundary after ``count`` rows of ``kind``: the log run and the ring slot (no KV)."""
+    def _commit(self, kind: str, count: int, image: torch.Tensor | None = None) -> None:
+        """The boundary after ``count`` rows of ``kind``: the log run and the ring slot (no KV),
+        which takes the arena's fixed block, or ``image``, a copy of the block at that boundary."""
         state = self._state
         position = state.position + count
         self._state = replace(state, position=position, log=appended(state.log, kind, state.position, count),
-                              ring=self._slots.saved(state.ring, self.arena.buffer, position))
+                              ring=self._slots.saved(state.ring, self.arena.buffer if image is None else image,
+                                                     position))
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [vocab] of the current state (fp32)."""
         with self._work():
             return _handed_out(self.model.logits()[0].float())
 
-    def generate(self, n: int, *, temperature: float = 0.0, seed: int | None = None) -> list[int]:
+    def generate(self, n: int, *, temperature: float = 0.0, seed: int | None = None,
+                 speculative: int | None = None) -> list[int]:
         """Append ``n`` tokens, one committed boundary each; return them. Greedy by default;
-        see ``stream`` for ``temperature`` and ``seed``."""
-        return list(self.stream(n, sync_every=0, temperature=temperature, seed=seed))
+        see ``stream`` for ``temperature``, ``seed`` and ``speculative``."""
+        return list(self.stream(n, sync_every=0, temperature=temperature, seed=seed, speculative=speculative))
 
-    def stream(self, n: int, sync_every: int = 1, *, temperature: float = 0.0,
-               seed: int | None = None, scored: bool = False) -> Iterator[int] | Iterator[tuple[int, float]]:
+    def stream(self, n: int, sync_every: int = 1, *, temperature: float = 0.0, seed: int | None = None,
+               scored: bool = False, speculative: int | None = None) -> Iterator[int] | Iterator[tuple[int, float]]:
         """Yield tokens as they are committed: greedy, or drawn from softmax(logits / temperature).
-        ``scored``: yield (token, margin) pairs, the margin being the gap between the two best
-        scores of the choice in logit units (``sampling.margin``), which a replay on another
-        platform needs to tell a near-tie from a real difference.
+        ``scored``: yield (token, margin, position) triples, the margin being the gap between the
+        two best scores of the choice in logit units (``sampling.margin``), which a replay on
+        another platform needs to tell a near-tie from a real difference, and the position the
+        token's boundary left (several tokens of one pass are committed together).
 
-        The lock is taken per token, so other callers (a snapshot) wait at most
-        one decode step. ``sync_every``: read tokens back every k steps (one
-        device sync each); 0 reads them all at the end. The draws come from the
-        RNG state in the arena (``sampling_seed``, with the position as counter),
-        so a restored capsule draws the same tokens again; ``seed`` sets that
-        state first (it then belongs to the state, as the tokens do).
+        The lock is taken per token (per pass when speculative), so other callers (a
+        snapshot) wait at most one decode step or pass. ``sync_every``: read tokens back
+        every k tokens (one device sync each); 0 reads them all at the end. The draws come
+        from the RNG state in the arena (``sampling_seed``, with the position as counter),
+        so a restored capsule draws the same tokens again; ``seed`` sets that state first
+        (it then belongs to the state, as the tokens do).
+
+        ``speculative`` = k >= 1: each pass drafts up to k tokens with the MTP layer and
+        verifies them in one forward of the main model (``runtime.speculative``): the same
+        tokens and, on the CPU backend, the same state bytes at every committed boundary as
+        plain decode, each token its own boundary (rollback steps count tokens). Near
+        ``max_seq_len`` or the end of ``n`` a pass drafts fewer. Passes whose drafts are
+        rarely accepted turn speculation off for a while (``speculation_stats``).
         """
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
@@ -345,47 +380,125 @@ class Engine:
         temperature = inputs.temperature(temperature)
         if seed is not None:
             inputs.check_seed(seed)
+        drafts = self.check_speculative(speculative)
         with self._lock:
             self._check_room(n)
             lineage = self._state.lineage
-        return self._stream(n, sync_every, lineage, temperature, seed, scored)
+        return self._stream(n, sync_every, lineage, temperature, seed, scored, drafts)
 
-    def _stream(self, n: int, sync_every: int, lineage: int, temperature: float,
-                seed: int | None, scored: bool) -> Iterator[int] | Iterator[tuple[int, float]]:
+    def check_speculative(self, speculative: int | None) -> int:
+        """The drafts per pass ``speculative`` asks for (0: none), or InvalidArgument: what
+        ``stream`` checks first, for a caller to check before it commits anything else."""
+        if speculative is None:
+            return 0
+        if not is_int(speculative) or speculative < 1:
+            raise InvalidArgument(f"speculative must be None (off) or an int >= 1 (drafts per pass), "
+                                  f"got {speculative!r}")
+        if self._speculation is None:
+            raise InvalidArgument("speculative decoding needs an MTP layer, and this model has none "
+                                  "(mtp_num_hidden_layers=0)")
+        if speculative > self._speculation.max_draft:
+            raise InvalidArgument(f"speculative={speculative} drafts more than a verify holds "
+                                  f"(max_draft_tokens={self._speculation.max_draft})")
+        return int(speculative)
+
+    @property
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Speculative decoding's counts so far (None without an MTP layer); a copy."""
+        with self._lock:
+            return None if self._speculation is None else replace(self._speculation.stats)
+
+    def _stream(self, n: int, sync_every: int, lineage: int, temperature: float, seed: int | None,
+                scored: bool, drafts: int) -> Iterator[int] | Iterator[tuple[int, float]]:
         # Each step copies its token into a device-side list under the lock, and reading
         # it back costs one sync per ``sync_every`` tokens, not per token. Another caller
         # may restore or roll back between two steps: the stream then stops rather than
         # go on from a state it did not build.
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         margins = torch.empty(n if scored else 0, dtype=torch.float64, device=self.device)
+        ends: list[int] = []   # the position after each token, when scored
 
         def read_back(start: int, end: int) -> list:
             tokens = out[start:end].tolist()
-            return list(zip(tokens, margins[start:end].tolist())) if scored else tokens
+            return list(zip(tokens, margins[start:end].tolist(), ends[start:end])) if scored else tokens
 
-        read = 0
-        for i in range(n):
+        read = done = 0
+        follows = None   # the last pass's logits for the next row, while the state is still its own
+        while done < n:
             with self._work(step=True):
                 replaced = self._state.lineage != lineage
                 if not replaced:
                     self._check_room(1)
-                    if seed is not None and i == 0:
+                    if seed is not None and done == 0:
                         self.model.rng_seed.fill_(int(seed))
                     if temperature > 0:   # set per step: another caller's stream may have set its own
                         self.model.temperature.fill_(temperature)
-                    self._commit_token(sampled=temperature > 0)
-                    out[i] = self.model.tokens[self._state.position - 1]
+                    passed = None
+                    if drafts and self._speculation.wanted():
+                        passed = self._speculative_pass(drafts, n - done, temperature > 0, follows)
+                    if passed is None:
+                        self._commit_token(sampled=temperature > 0)
+                        out[done] = self.model.tokens[self._state.position - 1]
+                        if scored:
+                            margins[done] = self.model.margin[0]
+                        count, follows = 1, None
+                    else:
+                        tokens, chosen_margins, follows = passed
+                        count = tokens.shape[0]
+                        out[done:done + count] = tokens
+                        if scored:
+                            margins[done:done + count] = chosen_margins
                     if scored:
-                        margins[i] = self.model.margin[0]
+                        ends.extend(range(self._state.position - count + 1, self._state.position + 1))
             if replaced:   # yielded outside the lock: the consumer may take its time
-                yield from read_back(read, i)
-                raise Preempted(f"a restore or rollback (or a reset) replaced the live state after {i} of "
+                yield from read_back(read, done)
+                raise Preempted(f"a restore or rollback (or a reset) replaced the live state after {done} of "
                                 f"{n} tokens; the stream stopped there")
-            if sync_every and (i + 1) % sync_every == 0:
-                yield from read_back(read, i + 1)
-                read = i + 1
+            done += count
+            if sync_every and done - read >= sync_every:
+                yield from read_back(read, done)
+                read = done
         if read < n:
             yield from read_back(read, n)
+
+    def _speculative_pass(self, drafts: int, left: int, sampled: bool, follows: tuple | None):
+        """One pass of up to ``drafts`` drafts and their verify, committing 1 + the accepted ones:
+        (tokens, margins, the logits that follow them) or None when no draft fits (at the end
+        of the request or of the context), the caller then decodes one token plainly."""
+        state, spec, model = self._state, self._speculation, self.model
+        at = state.position
+        k = min(drafts, left - 1, self.max_seq_len - at - 1)
+        if k < 1:
+            return None
+        with self._whole_or_none():
+            if follows is not None and follows[0] == (state.lineage, at):
+                logits = follows[1]
+            else:   # another caller committed meanwhile: the logits of the state as it is
+                logits = model.logits()
+            first, first_margin = self._choose(logits, at, sampled)
+            draft = model.draft(first, at, k, spec.vocab, spec.head)
+            rows = model.verify(torch.cat([first, draft]), at, spec.kept, self.fixed_shapes)
+            chosen = [self._choose(rows[i:i + 1], at + 1 + i, sampled) for i in range(k + 1)]
+            agree = (draft == torch.cat([c[0] for c in chosen[:k]])).tolist()
+            accepted = agree.index(False) if False in agree else k
+            if accepted < k:   # back to the boundary after the last accepted row
+                self.arena.buffer[:self.arena.fixed_bytes].copy_(spec.images[accepted])
+        for i in range(accepted + 1):
+            self._commit(DECODE, 1, image=spec.images[i])
+        spec.record(k, accepted)
+        tokens = torch.cat([first, draft[:accepted]])
+        margins = torch.cat([first_margin] + [c[1] for c in chosen[:accepted]])
+        return tokens, margins, ((self._state.lineage, self._state.position), rows[accepted:accepted + 1])
+
+    def _choose(self, logits: torch.Tensor, position: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token [1] and its margin [1] that decode picks from ``logits`` [1, vocab] for the
+        row at ``position``: as ``Qwen35.token_step`` does, with the same RNG counter."""
+        model = self.model
+        if not sampled:
+            return logits.argmax(-1), sampling.margin(logits[0])
+        counter = torch.tensor([position], dtype=torch.int64, device=self.device)
+        scores = sampling.scores(logits, model.temperature, model.rng_seed, counter, model.vocab_index)
+        return scores.argmax(-1, keepdim=True), sampling.margin(scores) * model.temperature
 
     def append(self, token: int, *, seed: int | None = None) -> None:
         """Commit ``token`` as the next decode boundary, as if decode had chosen it (the same
@@ -655,6 +768,17 @@ class Engine:
             raise error(
                 f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
                 f"(position is {self._state.position})")
+
+
+def _with_head(cfg: ModelConfig, weights: dict[str, torch.Tensor], seeded: Sequence[str],
+               path: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``weights`` with the MTP head file at ``path`` in place of their ``mtp.*``."""
+    head, meta = mtp_head.load(path, cfg)
+    base = meta.get("distilled_from")
+    if base and base != mtp_head.base_fingerprint(cfg, weights):
+        log.warning("MTP head %s was distilled from another model (%s): its drafts will rarely be accepted",
+                    path, base)
+    return weights | head, [name for name in seeded if not name.startswith("mtp.")]
 
 
 class _NotFinite(Exception):

@@ -33,6 +33,8 @@ class EngineOptions:
     budgets: bytes per tier; tiers left out take the engine's defaults.
     spill: over budget, move the least recently used unpinned capsule down a tier (False: refuse).
     rollback_depth: committed boundaries ``rollback(steps)`` can go back through.
+    max_draft_tokens: the most drafts a speculative pass verifies (``generate(speculative=k)``,
+      k up to this); the engine keeps the fixed-size state of that many rows plus one.
     capsule_key: bytes that sign every capsule file written (HMAC-SHA256); files without a valid
       signature are then refused, at start and on restore (``capsule.signing``). None: files
       carry digests, which catch accidents, not deliberate edits.
@@ -48,6 +50,7 @@ class EngineOptions:
     budgets: dict | None = None
     spill: bool = True
     rollback_depth: int = 8
+    max_draft_tokens: int = 4
     capsule_key: bytes | None = None
 
     @classmethod
@@ -59,7 +62,8 @@ class EngineOptions:
         return cls(**options)
 
     def __post_init__(self) -> None:
-        for key, least in (("prefill_chunk", 1), ("decode_threads", 0), ("rollback_depth", 1)):
+        for key, least in (("prefill_chunk", 1), ("decode_threads", 0), ("rollback_depth", 1),
+                           ("max_draft_tokens", 1)):
             value = getattr(self, key)
             if not is_int(value) or value < least:
                 raise InvalidArgument(f"{key} must be an int >= {least}, got {value!r}")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import gated_delta, sampling
 from ..arena import RegionSpec, StateArena
-from ..attention import Span, write_and_attend
+from ..attention import Span, attend_one, write_and_attend
 from ..backends.cpu import row_product
 from ..backends.cpu.delta_step import DeltaStep
 from ..config import FULL, LINEAR, ModelConfig
@@ -147,18 +147,25 @@ class Qwen35:
         self.mtp: _Block | None = None
         if cfg.mtp_num_hidden_layers:
             self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast)
-            # A boundary needs only the MTP layer's K and V rows: its attention and MLP
-            # produce a draft, and nothing reads a draft until speculative decoding does.
-            # Their own [in, out] copy lets prefill and decode skip the query and gate columns.
+            # A boundary needs only the MTP layer's K and V rows; its queries, gates, attention
+            # and MLP only make drafts (speculative decoding). So K|V is one product and
+            # queries|gates another: a boundary skips the second, and a draft computes its K
+            # and V rows with the very product a boundary uses, so the MTP KV row it writes
+            # at the position counter is the committed one.
             a = "mtp.layers.0.self_attn."
             self.mtp_kv_proj = cast.proj(weights[f"{a}k_proj.weight"], weights[f"{a}v_proj.weight"])
+            q_and_gate = weights[f"{a}q_proj.weight"].view(cfg.num_attention_heads, 2, cfg.head_dim, -1)
+            self.mtp.in_proj = cast.proj(q_and_gate[:, 0].flatten(0, 1), q_and_gate[:, 1].flatten(0, 1))
+            self.mtp_q_norm = self.mtp.norm_a[:cfg.num_attention_heads]
             self.mtp_k_norm = self.mtp.norm_a[cfg.num_attention_heads:]
             self.mtp_fc = cast.proj(weights["mtp.fc.weight"])
             self.mtp_norm_embed = cast.one_plus(weights["mtp.pre_fc_norm_embedding.weight"])
             self.mtp_norm_hidden = cast.one_plus(weights["mtp.pre_fc_norm_hidden.weight"])
+            self.mtp_final_norm = cast.one_plus(weights["mtp.norm.weight"])
         if cpu_kernels:   # one scratch for every product, sized once every weight is built
-            partials = row_product.scratch(max(p.w.shape[1] for p in self.projections()))
-            for p in self.projections():
+            products = self.projections() + self.draft_projections()
+            partials = row_product.scratch(max(p.w.shape[1] for p in products))
+            for p in products:
                 p.use_row_kernel(partials)
         if cfg.policy:
             self.obs_proj = cast.t(weights["policy.obs_proj.weight"])
@@ -259,9 +266,10 @@ class Qwen35:
         return x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
 
     # ---- one committed boundary ----------------------------------------------------------------
-    def advance(self, embeds: torch.Tensor, positions: torch.Tensor, span: Span, decode: bool) -> None:
+    def advance(self, embeds: torch.Tensor, positions: torch.Tensor, span: Span, decode: bool) -> torch.Tensor:
         """Run n input embeddings [n, H] at ``positions`` through the backbone and the MTP
-        layer, then move the boundary: last hidden state and position counter."""
+        layer, then move the boundary: last hidden state and position counter. Returns the
+        rows' final hidden states [n, H]."""
         x = embeds
         rope = (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
         for b in self.blocks:
@@ -273,32 +281,141 @@ class Qwen35:
             self._write_mtp_kv(embeds, prev, positions, rope)
         self.last_hidden.copy_(hidden[-1])
         self.position.add_(embeds.shape[0])
+        return hidden
 
     def _write_mtp_kv(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                      rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+                      rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """MTP K and V rows at ``positions``: the MTP layer pairs token t's embedding with
-        the hidden state of token t-1, exactly as its full forward would."""
+        the hidden state of token t-1, exactly as its full forward would. Returns the MTP
+        layer's input rows (its residual stream, before the input norm), which a draft goes on with."""
         cfg, n, eps = self.cfg, embeds.shape[0], self.cfg.rms_norm_eps
         m = torch.cat([rms_norm(embeds, self.mtp_norm_embed, eps), rms_norm(prev_hidden, self.mtp_norm_hidden, eps)],
                       -1)
-        h = rms_norm(self.mtp_fc(m), self.mtp.ln_in, eps)
+        x = self.mtp_fc(m)
+        h = rms_norm(x, self.mtp.ln_in, eps)
         k, v = self.mtp_kv_proj(h).view(n, 2, cfg.num_key_value_heads, cfg.head_dim).unbind(1)
         k = apply_rope(rms_norm(k, self.mtp_k_norm, eps), *rope)
         self.mtp_kv[:, 0].index_copy_(0, positions, k)
         self.mtp_kv[:, 1].index_copy_(0, positions, v)
+        return x
+
+    # ---- speculative decoding ----------------------------------------------------------------
+    def draft(self, token: torch.Tensor, position: int, count: int,
+              vocab: torch.Tensor | None = None, head: torch.Tensor | None = None) -> torch.Tensor:
+        """``count`` draft tokens [count] that follow ``token`` [1], the main model's choice for
+        the row at ``position`` (the position counter), by the MTP layer chained on itself.
+
+        Step i pairs its input token with the hidden state before it (the main model's last
+        hidden state for i = 0, then the MTP layer's own output) and writes MTP KV row
+        position + i. Row ``position`` is the committed one (see ``__init__``); a verify
+        rewrites the later ones from the main model's hidden states. ``vocab`` [V'] and ``head``
+        [H, V'] (its lm_head columns): draft over that subset of the vocabulary only."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        b = self.mtp
+        prev = self.last_hidden[None]
+        out = torch.empty(count, dtype=torch.int64, device=self.device)
+        for i in range(count):
+            at = position + i
+            positions = self.rows[at:at + 1]
+            rope = (self.cos[at:at + 1], self.sin[at:at + 1])
+            x = self._write_mtp_kv(F.embedding(token, self.embed), prev, positions, rope)
+            q, gate = b.in_proj(rms_norm(x, b.ln_in, eps)).split([hq * d, hq * d], dim=-1)
+            q = apply_rope(rms_norm(q.view(1, hq, d), self.mtp_q_norm, eps), *rope)
+            keys, values = self.mtp_kv[:at + 1, 0], self.mtp_kv[:at + 1, 1]
+            attended = attend_one(q, keys, values, None, d ** -0.5)
+            x = x + b.out_proj(attended * torch.sigmoid(gate))
+            x = x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
+            prev = rms_norm(x, self.mtp_final_norm, eps)
+            if head is None:
+                token = self.lm_head(prev).argmax(-1)
+            else:
+                token = vocab.index_select(0, (prev @ head).argmax(-1))
+            out[i] = token[0]
+        return out
+
+    def verify(self, tokens: torch.Tensor, position: int, kept: list[dict[str, torch.Tensor]],
+               fixed: bool) -> torch.Tensor:
+        """Run ``tokens`` [n] at rows position .. position + n - 1 (the position counter on) through
+        the main model and the MTP layer's KV in one pass over the weights; return the logits
+        [n, vocab] that follow each row.
+
+        The state ends as after all n rows; ``kept[i]`` (views of a fixed-block image, as
+        ``StateArena.fixed_views`` gives) receives the fixed-size state after row i, so that a
+        verify that accepts fewer rows can step back. Each row is computed exactly as a decode
+        step computes it alone: products through ``Projection`` (batch-invariant on the row
+        kernel), and per row the attention over its own span (``fixed``: the masked span of
+        ``decode_span``) and the linear mixer. Rows are indexed by the device position counter
+        (``position`` only sizes eager spans), so a CUDA graph can capture it."""
+        n = tokens.shape[0]
+        rows = self.position + self.rows[:n]
+        self.tokens.index_copy_(0, rows, tokens)
+        self.seeds.index_copy_(0, rows, self.rng_seed.expand(n))
+        if self.observations is not None:
+            self.observations.index_fill_(0, rows, 0.0)
+        embeds = F.embedding(tokens, self.embed)
+        x = embeds
+        rope = (self.cos.index_select(0, rows), self.sin.index_select(0, rows))
+        spans = [Span.fixed(self.rows, self.position + i) if fixed else Span.decode(position + i) for i in range(n)]
+        eps = self.cfg.rms_norm_eps
+        for b in self.blocks:
+            h = rms_norm(x, b.ln_in, eps)
+            if b.kind == FULL:
+                h = self._full_mixer_rows(h, b, rows, rope, spans)
+            else:
+                h = self._linear_mixer_rows(h, b, kept)
+            x = x + h
+            x = x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
+        hidden = rms_norm(x, self.final_norm, eps)
+        if self.mtp is not None:
+            self._write_mtp_kv(embeds, torch.cat([self.last_hidden[None], hidden[:-1]]), rows, rope)
+        for i, image in enumerate(kept[:n]):
+            image["meta.last_hidden"].copy_(hidden[i])
+            image["meta.position"].copy_(rows[i:i + 1] + 1)
+            image["meta.rng"].copy_(self.rng_seed)
+        self.last_hidden.copy_(hidden[-1])
+        self.position.add_(n)
+        return self.lm_head(hidden)
+
+    def _full_mixer_rows(self, x: torch.Tensor, b: _Block, rows: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor], spans: list[Span]) -> torch.Tensor:
+        """``_full_mixer`` for consecutive rows, each attending over its own span as decode does."""
+        cfg, n = self.cfg, x.shape[0]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qk, gate, v = b.in_proj(x).split([(hq + hkv) * d, hq * d, hkv * d], dim=-1)
+        qk = apply_rope(rms_norm(qk.view(n, hq + hkv, d), b.norm_a, cfg.rms_norm_eps), *rope)
+        v = v.view(n, hkv, d)
+        kv = self.kv[:, b.slot]
+        out = torch.cat([write_and_attend(qk[i:i + 1, :hq], qk[i:i + 1, hq:], v[i:i + 1], kv[:, 0], kv[:, 1],
+                                          rows[i:i + 1], spans[i]) for i in range(n)])
+        return b.out_proj(out * torch.sigmoid(gate))
+
+    def _linear_mixer_rows(self, x: torch.Tensor, b: _Block, kept: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """``_linear_mixer`` for consecutive rows, one decode-sized mixer step each, keeping the
+        conv and recurrent state after each row in ``kept``."""
+        rows = b.in_proj(x)
+        out = []
+        for i in range(rows.shape[0]):
+            row = rows[i:i + 1]
+            # A copy of the kernel's one-row output: the next call reuses its buffer.
+            out.append(b.delta(row).clone() if b.delta is not None else self.delta_rule(row, b))
+            kept[i]["recurrent"][b.slot].copy_(self.recurrent[b.slot])
+            kept[i]["conv"][b.slot].copy_(self.conv[b.slot])
+        return b.out_proj(torch.cat(out))
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [1, vocab], from the last hidden state alone."""
         return self.lm_head(self.last_hidden[None])
 
-    def prefill(self, ids: torch.Tensor, start: int) -> None:
+    def prefill(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Commit the rows of ``ids`` [n] from row ``start``; returns their final hidden states [n, H]."""
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         self.tokens[start:start + ids.shape[0]].copy_(ids)
         self.seeds[start:start + ids.shape[0]].copy_(self.rng_seed.expand(ids.shape[0]))
         if self.observations is not None:   # a token row holds no observation (see policy_step)
             self.observations[start:start + ids.shape[0]].zero_()
-        self.advance(F.embedding(ids, self.embed), positions, Span.prefill(start, ids.shape[0], self.device),
-                     decode=False)
+        return self.advance(F.embedding(ids, self.embed), positions, Span.prefill(start, ids.shape[0], self.device),
+                            decode=False)
 
     def token_step(self, span: Span, sampled: bool = False) -> None:
         """Decode of one token, greedy or drawn at ``self.temperature`` with the arena's RNG
@@ -344,6 +461,11 @@ class Qwen35:
         if self.mtp is not None:
             out += [self.mtp_fc, self.mtp_kv_proj]
         return out + [self.lm_head]
+
+    def draft_projections(self) -> list[Projection]:
+        """The MTP layer's products that only a draft computes (beside ``projections``' MTP ones)."""
+        b = self.mtp
+        return [] if b is None else [b.in_proj, b.out_proj, b.gate_up, b.down]
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (the embedding table: one row only)."""
