@@ -27,6 +27,10 @@ def run_generation(node: Any, session: Session, goal_handle: Any, result: Any) -
         raise InvalidArgument(f"max_new_tokens must be >= 0, got {n}")
     temperature = inputs.temperature(float(goal.temperature))
     seed = goal.seed if goal.seed >= 0 else None
+    if goal.speculative < -1:
+        raise InvalidArgument(f"speculative must be -1 (the node's parameter), 0 (off) or drafts per pass, "
+                              f"got {goal.speculative}")
+    drafts = goal.speculative if goal.speculative >= 0 else node.get_parameter("speculative").value
     if not ids and engine.position == 0:
         raise InvalidArgument("empty prompt on an empty state: give a prompt or token_ids")
     room = engine.max_seq_len - engine.position
@@ -42,7 +46,8 @@ def run_generation(node: Any, session: Session, goal_handle: Any, result: Any) -
             raise NotActive("node left the active state before the prompt was committed")
         if goal_handle.is_cancel_requested:   # the goal ends at the loop's first check
             ids, n = [], 0
-        stream = session.generate(ids, n, temperature=temperature, seed=seed, prompt=goal.prompt)
+        stream = session.generate(ids, n, temperature=temperature, seed=seed, prompt=goal.prompt,
+                                  speculative=drafts or None)
     tokens: list[int] = []
     first = None
     feedback = Generate.Feedback()

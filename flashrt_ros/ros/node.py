@@ -198,7 +198,7 @@ class FlashRTNode(LifecycleNode):
                     capsule_dir=vals["capsule_dir"] or None,
                     capsule_key=signing.load_key(vals["capsule_key_file"]) if vals["capsule_key_file"] else None,
                     budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
-        engine = Engine.load(vals["model_path"], seed=vals["seed"],
+        engine = Engine.load(vals["model_path"], seed=vals["seed"], mtp_head=vals["mtp_head"] or None,
                              policy_dims=(vals["policy.obs_dim"], vals["policy.action_dim"]), **opts)
         try:
             return engine, load_tokenizer(vals["model_path"])

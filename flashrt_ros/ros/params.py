@@ -70,6 +70,11 @@ PARAMS = (
     Param("budgets.disk_mb", 4096, "disk-tier budget in MiB", lo=0, hi=1 << 24),
     Param("spill", True, "over budget: move the least recently used unpinned capsule down a tier "
           "(false: refuse with BUDGET_EXCEEDED)", read_only=False),
+    Param("speculative", 0, "drafts per pass of speculative decoding (the MTP layer drafts, one forward "
+          "verifies; the same tokens) for Generate goals that leave `speculative` at -1; 0 = off",
+          read_only=False, lo=0, hi=16),
+    Param("mtp_head", "", "MTP head file (flashrt-train-mtp) in place of the checkpoint's MTP layer; "
+          "empty = the checkpoint's (seeded where it has none)"),
     Param("rollback_depth", 8, "committed boundaries Rollback can step back through", lo=1, hi=4096),
     Param("policy.obs_dim", 23, "observation size: 2 x joints (positions, velocities) + 3 (ee position) "
           "+ 6 (ee rotation, two matrix columns); 0 turns policy mode off", lo=0, hi=65536),

@@ -155,31 +155,38 @@ class Session:
             return action
 
     def generate(self, ids: Sequence[int], n: int, temperature: float = 0.0, seed: int | None = None,
-                 prompt: str = "") -> Iterator[int]:
+                 prompt: str = "", speculative: int | None = None) -> Iterator[int]:
         """Commit the prompt ``ids`` now, then return the next ``n`` tokens as an iterator that
-        commits one per step. The iterator raises Preempted (the tokens before it stay) once a
-        restore, rollback or reset replaces the state it extends; stopping early is dropping it."""
+        commits one per step (or several per speculative pass, ``Engine.stream``). The iterator
+        raises Preempted (the tokens before it stay) once a restore, rollback or reset replaces
+        the state it extends; stopping early is dropping it."""
         engine = self.engine
+        engine.check_speculative(speculative)   # refused before the prompt is committed
         with engine.lock:
             if ids:
                 engine.prefill(ids)
                 self._record(PREFILL, {"token_ids": list(ids), "prompt": prompt}, None, {})
                 self._version += 1
-            stream = engine.stream(n, sync_every=1, temperature=temperature, seed=seed, scored=True)
-        return self._tokens(stream, temperature, seed)
+            stream = engine.stream(n, sync_every=1, temperature=temperature, seed=seed, scored=True,
+                                   speculative=speculative)
+        return self._tokens(stream, temperature, seed, speculative)
 
-    def _tokens(self, stream: Iterator[tuple[int, float]], temperature: float, seed: int | None) -> Iterator[int]:
+    def _tokens(self, stream: Iterator[tuple[int, float, int]], temperature: float, seed: int | None,
+                speculative: int | None) -> Iterator[int]:
         first = True
         while True:
             with self.engine.lock:   # the token and its entry in one hold: nothing lands between them
                 scored = next(stream, None)
                 if scored is None:
                     return
-                token, margin = scored
-                sampling: dict[str, Any] = {"temperature": temperature} if temperature > 0 else {}
+                token, margin, position = scored
+                # How it was drawn; a speculative token replays as a plain decode step (the same bytes).
+                how: dict[str, Any] = {"temperature": temperature} if temperature > 0 else {}
                 if seed is not None and first:
-                    sampling["seed"] = seed
-                self._record(DECODE, sampling, None, {"token": token, "margin": margin})
+                    how["seed"] = seed
+                if speculative:
+                    how["speculative"] = speculative
+                self._record(DECODE, how, None, {"token": token, "margin": margin}, position=position)
                 self._version += 1
             first = False
             yield token
@@ -208,16 +215,18 @@ class Session:
                 self._version += 1
             return result
 
-    def _record(self, kind: str, request: dict, exc: BaseException | None, extra: dict) -> None:
+    def _record(self, kind: str, request: dict, exc: BaseException | None, extra: dict,
+                position: int | None = None) -> None:
         """Journal one operation. It has happened (or been refused) already, so a journal that
-        cannot write stops recording and changes no answer."""
+        cannot write stops recording and changes no answer. ``position``: the one it left, where
+        the engine has moved on since (the earlier tokens of a speculative pass)."""
         journal = self.journal
         if journal is None:
             return
         try:
             engine = self.engine
             out = {"error_code": int(getattr(exc, "code", ErrorCode.INTERNAL)) if exc else 0,
-                   "position": engine.position}
+                   "position": engine.position if position is None else position}
             if exc is None:
                 out.update(extra)
                 if kind in _STATE_CALLS:
