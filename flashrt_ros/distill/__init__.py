@@ -1,0 +1,1 @@
+"""Tools that train parts of a checkpoint from the model itself (an MTP head for speculative decoding)."""
