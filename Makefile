@@ -6,6 +6,8 @@
 #   make demo    python -m flashrt_ros.demo: the robot scenario over ROS 2 (installed package)
 #   make bench   python -m flashrt_ros.bench (installed package)
 #   make train-policy  retrain data/policies/reach_arm from its seed (a few minutes)
+#   make spec-model    train build/spec_model, the byte model and MTP head the speculative
+#                benchmark measures (about 15 minutes; make bench makes it when missing)
 #   make clean   remove build/ install/ log/; `make distclean` also .venv
 #   make freeze  rewrite requirements/constraints*.txt and lock-<distro>-*.txt from .venv
 #
@@ -79,6 +81,8 @@ REQ_FILES := $(filter-out $(REQ)/lock-%,$(wildcard $(REQ)/*.txt)) $(wildcard $(R
 REQ_HASH := $(shell cat $(REQ_FILES) | sha256sum | cut -c1-16)
 VENV_STAMP := $(VENV)/.flashrt-setup-$(SETUP_KEY)-$(REQ_HASH)
 BUILD_STAMP := install/.flashrt-built
+SPEC_MODEL := build/spec_model
+SPEC_HEAD := $(SPEC_MODEL)/mtp_head.safetensors
 BUILD_INPUTS := package.xml CMakeLists.txt $(shell find msg srv action cmake \
   flashrt_ros launch config data scripts src -name __pycache__ -prune -o -print 2>/dev/null)
 
@@ -94,7 +98,7 @@ set +eu; . "$(CURDIR)/install/setup.sh"; set -eu
 export PYTHONSAFEPATH=1
 endef
 
-.PHONY: help setup test demo bench train-policy clean distclean freeze info
+.PHONY: help setup test demo bench train-policy spec-model clean distclean freeze info
 
 help:
 	@sed -n '3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
@@ -218,10 +222,20 @@ demo: setup
 	$(SOURCE_INSTALL)
 	python -m flashrt_ros.demo $(ARGS)
 
-bench: setup
+bench: setup $(SPEC_HEAD)
 	@$(ACTIVATE)
 	$(SOURCE_INSTALL)
 	python -m flashrt_ros.bench $(ARGS)
+
+# A trained main model (a random one leaves an MTP head nothing to learn) and its distilled head.
+spec-model: $(SPEC_HEAD)
+
+$(SPEC_HEAD): | $(BUILD_STAMP)
+	@$(ACTIVATE)
+	$(SOURCE_INSTALL)
+	python -m flashrt_ros.distill.train_lm $(SPEC_MODEL)
+	python -m flashrt_ros.distill.train_mtp $(SPEC_MODEL) --out $@ \
+	  --prompts "$$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
 
 train-policy: setup
 	@$(ACTIVATE)

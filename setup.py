@@ -1,4 +1,4 @@
-"""pip install -e . : the ROS-free layers (flashrt_ros.runtime, flashrt_ros.capsule).
+"""pip install -e . : the ROS-free layers (flashrt_ros.runtime, flashrt_ros.capsule, flashrt_ros.distill).
 
 The ROS 2 package (interfaces, node) is built by colcon from package.xml and
 CMakeLists.txt; colcon sees build type ament_cmake there and ignores this file.
@@ -50,7 +50,11 @@ setup(
     version=package_version(),
     description="Execution-state capsules for an on-device model (ROS-free layers)",
     python_requires=">=3.10",
-    packages=find_packages(include=["flashrt_ros", "flashrt_ros.runtime*", "flashrt_ros.capsule*"]),
+    packages=find_packages(include=["flashrt_ros", "flashrt_ros.runtime*", "flashrt_ros.capsule*",
+                                    "flashrt_ros.distill*"]),
     install_requires=runtime_requirements(),
+    # The MTP head distiller needs only the runtime (train_lm, which trains a main model, also
+    # transformers).
+    entry_points={"console_scripts": ["flashrt-train-mtp = flashrt_ros.distill.train_mtp:main"]},
     ext_modules=[NATIVE],
 )

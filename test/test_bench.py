@@ -81,3 +81,17 @@ def test_transformers_reuse_runs_beside_our_cold_prefill_on_the_same_weights():
     assert row["prefix"] == 96 and row["same_first_token"], row
     assert row["ours_cold_ms"] > 0 and row["cold_ms"] > 0 and row["reuse_ms"] > 0
     assert row["ours_cold_vs_transformers"] == pytest.approx(row["ours_cold_ms"] / row["cold_ms"])
+
+
+def test_speculative_benchmark_runs_and_every_contender_decodes_plain_decodes_tokens(tmp_path):
+    from flashrt_ros.bench import speculative
+
+    result = speculative.run("cpu", tokens=12, rounds=1, model=tmp_path)   # no trained model there
+    assert [c["name"] for c in result["checks"]] == ["useless head with the switch-off: tokens/s vs plain"]
+    assert all(_finite(c) for c in result["checks"])
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert all(r["same_tokens"] and r["tokens_per_s"] > 0 and r["bandwidth_figure"] > 0 for r in rows.values())
+    # All drafts right: each pass of 3 drafts commits 4 tokens (the last pass of 12 drafts fewer).
+    assert rows["known drafts 100% right, k=3"]["acceptance"] == 1.0
+    assert rows["known drafts 100% right, k=3"]["tokens_per_pass"] == 4.0
+    assert rows["seeded head, k=1, always on"]["tokens_per_pass"] < 1.5

@@ -4,7 +4,7 @@ boundaries.
 
 A seeded MTP head drafts almost nothing a random model accepts (and a random model's next token
 is not learnable: test_distilled_head_loads_and_decodes_exactly), so the exactness tests draw
-their drafts from plain decode's own continuation, with every fifth one wrong: the MTP layer
+their drafts from plain decode's own continuation, a fifth of them wrong (``KnownDrafts``): the MTP layer
 still runs each draft step (and writes its KV rows), and the verify, the acceptance and the
 step back after a wrong draft are the engine's own.
 """
@@ -20,6 +20,7 @@ from flashrt_ros.replay import Journal, judge
 from flashrt_ros.runtime import Engine, ModelConfig
 from flashrt_ros.runtime import mtp_head
 from flashrt_ros.runtime.backends import cpu as cpu_backend
+from flashrt_ros.runtime.speculative import KnownDrafts
 from flashrt_ros.serving.session import Session
 from hf_reference import CONFIGS, save_hf_model
 
@@ -40,21 +41,10 @@ def _plain(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], dict[i
     return tokens, digests, margins
 
 
-def _known_drafts(engine: Engine, prompt: list[int], plain: list[int], wrong_every: int = 5) -> None:
-    """Drafts from the plain continuation, every ``wrong_every``-th position off by one token."""
-    model, real = engine.model, engine.model.draft
-    vocab = engine.config.vocab_size
-
-    def draft(token, position, count, *args):
-        real(token, position, count, *args)   # the MTP layer's steps and KV rows, as ever
-        out = []
-        for i in range(count):
-            row = position + 1 + i - len(prompt)
-            t = plain[row] if row < len(plain) else 0
-            out.append((t + 1) % vocab if (position + i) % wrong_every == 0 else t)
-        return torch.tensor(out, dtype=torch.int64, device=engine.device)
-
-    model.draft = draft
+def _known_drafts(engine: Engine, prompt: list[int], plain: list[int], wrong: float = 0.2) -> None:
+    """Drafts from the plain continuation, a share ``wrong`` of them one token off."""
+    engine.speculation.drafter = KnownDrafts(engine.speculation, plain, len(prompt), wrong,
+                                             engine.config.vocab_size)
 
 
 def _speculative(engine: Engine, prompt: list[int], n: int, k: int, digests: dict[int, str]) -> tuple[list, int]:
@@ -250,7 +240,7 @@ def test_near_max_seq_len_a_pass_drafts_fewer():
     """Two positions left: a pass may verify at most two rows, so it drafts one; then one left."""
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=len(PROMPT) + 30)
     plain, digests, _ = _plain(engine, PROMPT, 30)
-    _known_drafts(engine, PROMPT, plain, wrong_every=10 ** 9)
+    _known_drafts(engine, PROMPT, plain, wrong=0.0)
     engine.reset()
     engine.prefill(PROMPT)
     assert engine.generate(30, speculative=4) == plain
@@ -267,7 +257,7 @@ def test_a_head_that_drafts_nothing_useful_turns_speculation_off():
     engine.prefill(PROMPT)
     assert engine.generate(300, speculative=2) == plain
     stats = engine.speculation_stats
-    assert stats.turned_off >= 1 and stats.plain_tokens > 200 and stats.acceptance < engine._speculation.break_even
+    assert stats.turned_off >= 1 and stats.plain_tokens > 200 and stats.acceptance < engine.speculation.break_even
 
 
 @needs_kernels
@@ -308,3 +298,14 @@ def test_head_files_that_do_not_fit_are_refused(tmp_path):
     mtp_head.save(vocab, head | {mtp_head.DRAFT_VOCAB: torch.tensor([1, 1, 2])}, {})
     with pytest.raises(CheckpointError, match="distinct"):
         Engine.from_config(cfg, max_seq_len=32, mtp_head=vocab)
+
+
+def test_the_trained_main_model_is_a_checkpoint_the_engine_loads(tmp_path):
+    """flashrt_ros.distill.train_lm (make spec-model's first half) on a minimal budget."""
+    from flashrt_ros.distill.train_lm import main
+
+    assert main([str(tmp_path / "model"), "--steps", "1", "--batch", "1", "--length", "16"]) == 0
+    engine = Engine.from_pretrained(tmp_path / "model", max_seq_len=64)
+    assert (engine.config.vocab_size, engine.config.hidden_size, engine.config.num_hidden_layers) == (260, 512, 8)
+    engine.prefill([256, *b"def "])
+    assert len(engine.generate(4, speculative=2)) == 4

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime import Engine, ModelConfig
-from ..runtime import mtp_head
+from ..runtime import mtp_head, weights as weights_io
+from ..runtime.tokenizer import load_tokenizer
 from .mtp_layer import MtpLayer
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "mtp"
 CONFIGS = {"tiny": ModelConfig.tiny, "bench": ModelConfig.bench}
 
 
@@ -44,6 +44,30 @@ def prompts(vocab: int, count: int, seed: int, lengths: tuple[int, int] = (4, 16
         n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=gen))
         out.append(torch.randint(0, vocab, (n,), generator=gen).tolist())
     return out
+
+
+def text_prompts(ids: torch.Tensor, count: int, seed: int, lengths: tuple[int, int] = (16, 64)) -> list[list[int]]:
+    """Seeded slices of a token stream (a corpus of the model's own domain)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        n = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=gen))
+        at = int(torch.randint(0, ids.numel() - n, (1,), generator=gen))
+        out.append(ids[at:at + n].tolist())
+    return out
+
+
+def read_prompts(path: Path, model: str, vocab_size: int) -> torch.Tensor:
+    """The token ids of a text file, or of a folder's .py, .txt and .md files (sorted), through
+    the checkpoint's tokenizer, or as bytes for a byte-vocabulary model that has none."""
+    files = sorted(f for f in path.glob("*") if f.suffix in (".py", ".txt", ".md")) if path.is_dir() else [path]
+    text = b"\n".join(f.read_bytes() for f in files)
+    tokenizer = load_tokenizer(model)
+    if tokenizer is not None:
+        return torch.tensor(tokenizer.encode(text.decode("utf-8", errors="replace")), dtype=torch.int64)
+    if vocab_size < 256:
+        raise SystemExit(f"{model} has no tokenizer.json and no byte vocabulary: --prompts cannot be read")
+    return torch.tensor(list(text), dtype=torch.int64)
 
 
 def sequences(engine: Engine, starts: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +96,28 @@ def draft_vocab(choices: torch.Tensor, vocab_size: int, coverage: float) -> torc
     return None if keep > vocab_size // 4 else order[:keep].sort().values
 
 
+def chained_loss(layer: MtpLayer, tokens: torch.Tensor, prev: torch.Tensor, targets: torch.Tensor,
+                 chain: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean cross-entropy of ``chain`` chained draft steps, and the first step's logits.
+
+    Step 1 pairs token t with the main model's hidden state of row t - 1; step c + 1 pairs it
+    with step c's own output at row t - 1, as ``Qwen35.draft`` chains (its inputs are the
+    accepted tokens, which equal the main model's). Each step is trained to the main model's
+    choice after row t."""
+    losses, first = [], None
+    for _ in range(chain):
+        hidden = layer(tokens, prev)
+        logits = layer.logits(hidden)
+        first = logits if first is None else first
+        losses.append(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        prev = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], 1)
+    return torch.stack(losses).mean(), first
+
+
 def train(layer: MtpLayer, tokens: torch.Tensor, prev: torch.Tensor, targets: torch.Tensor, steps: int,
-          batch: int, lr: float, seed: int, log_every: int = 50) -> list[tuple[int, float, float]]:
-    """Adam with a cosine schedule; returns (step, loss, agreement) every ``log_every`` steps."""
+          batch: int, lr: float, seed: int, chain: int = 1, log_every: int = 50) -> list[tuple[int, float, float]]:
+    """Adam with a cosine schedule over ``chained_loss``; returns (step, loss, first-step agreement)
+    every ``log_every`` steps."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(layer.parameters(), lr=lr)
     history = []
@@ -82,8 +125,7 @@ def train(layer: MtpLayer, tokens: torch.Tensor, prev: torch.Tensor, targets: to
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
         pick = torch.randint(0, tokens.shape[0], (batch,), generator=gen)
-        logits = layer.logits(layer(tokens[pick], prev[pick]))
-        loss = F.cross_entropy(logits.flatten(0, 1), targets[pick].flatten())
+        loss, logits = chained_loss(layer, tokens[pick], prev[pick], targets[pick], chain)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -121,13 +163,17 @@ def acceptance(build, head: dict[str, torch.Tensor], starts: list[list[int]], le
 
 
 def distill(cfg: ModelConfig, weights: dict[str, torch.Tensor], build, *, sequences_n: int, length: int,
-            steps: int, batch: int, lr: float, seed: int, coverage: float,
-            held_out: int = 8) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            steps: int, batch: int, lr: float, seed: int, coverage: float, chain: int = 1,
+            corpus: torch.Tensor | None = None, held_out: int = 8) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The head's tensors and metadata. ``build(head)`` makes an engine of the model with ``head``
-    (``None``: as it is) as a context manager."""
+    (``None``: as it is) as a context manager. Prompts are slices of ``corpus`` (token ids),
+    or random token ids without one."""
+    def starts(count: int, seed: int) -> list[list[int]]:
+        return prompts(cfg.vocab_size, count, seed) if corpus is None else text_prompts(corpus, count, seed)
+
     t0 = time.monotonic()
     with build(None) as engine:
-        tokens, hidden = sequences(engine, prompts(cfg.vocab_size, sequences_n, seed), length)
+        tokens, hidden = sequences(engine, starts(sequences_n, seed), length)
         lm_head = engine.model.lm_head.w.t().float().cpu()
         embed = engine.model.embed.float().cpu()
     print(f"{sequences_n} sequences of {length} tokens in {time.monotonic() - t0:.0f} s", flush=True)
@@ -136,14 +182,14 @@ def distill(cfg: ModelConfig, weights: dict[str, torch.Tensor], build, *, sequen
     start = {n: t for n, t in weights.items() if n.startswith("mtp.")}
     layer = MtpLayer(cfg, start, embed, lm_head, max_len=length)
     torch.manual_seed(seed)
-    history = train(layer, tokens, prev, targets, steps, batch, lr, seed)
+    history = train(layer, tokens, prev, targets, steps, batch, lr, seed, chain)
     head = layer.state()
     vocab = draft_vocab(targets, cfg.vocab_size, coverage)
     if vocab is not None:
         head[mtp_head.DRAFT_VOCAB] = vocab
-    measured = acceptance(build, head, prompts(cfg.vocab_size, held_out, seed + 1), length // 2, (1, 2, 3))
+    measured = acceptance(build, head, starts(held_out, seed + 1), length // 2, (1, 2, 3))
     meta = {"distilled_from": mtp_head.base_fingerprint(cfg, weights), "seed": str(seed),
-            "sequences": str(sequences_n), "length": str(length), "steps": str(steps),
+            "sequences": str(sequences_n), "length": str(length), "steps": str(steps), "chain": str(chain),
             "final_loss": f"{history[-1][1]:.5f}", "train_agreement": f"{history[-1][2]:.4f}",
             "draft_vocab": str(0 if vocab is None else vocab.numel())}
     meta |= {k: f"{v:.4f}" for k, v in measured.items()}
@@ -156,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashrt-train-mtp", description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default="",
                         help="a checkpoint folder, or 'tiny' / 'bench' for the seeded configs (default: tiny)")
-    parser.add_argument("--out", type=Path, help="head file to write (default: data/mtp/<config>.safetensors "
-                                                 "for a seeded config)")
+    parser.add_argument("--out", type=Path, required=True, help="head file to write")
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=600)
@@ -166,29 +211,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coverage", type=float, default=0.999,
                         help="share of the model's choices the draft vocabulary covers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chain", type=int, default=3,
+                        help="draft steps trained in a chain (each on the one before's output)")
+    parser.add_argument("--prompts", type=Path, help="a text file or a folder of them: prompts are slices of it "
+                                                     "(default: random token ids)")
     args = parser.parse_args(argv)
     name = args.model or "tiny"
-    max_len = 2 * args.length + 32
     if name in CONFIGS:
         cfg = CONFIGS[name]()
-        from ..runtime import weights as weights_io
         weights = weights_io.seeded_weights(cfg, 0)
-        out = args.out or DATA / f"{name}.safetensors"
-
-        def build(head):
-            return Engine(cfg, weights | (head or {}), max_seq_len=max_len)
     else:
-        engine_args = dict(max_seq_len=max_len)
-        from ..runtime import weights as weights_io
         cfg, weights, _ = weights_io.load_checkpoint(name)
-        if not args.out:
-            parser.error("--out is needed for a checkpoint")
-        out = args.out
+    out = args.out
 
-        def build(head):
-            return Engine(cfg, weights | (head or {}), **engine_args)
+    def build(head: dict[str, torch.Tensor] | None) -> Engine:
+        return Engine(cfg, weights | (head or {}), max_seq_len=2 * args.length + 96)
+
+    corpus = None if args.prompts is None else read_prompts(args.prompts, "" if name in CONFIGS else name,
+                                                             cfg.vocab_size)
     head, meta = distill(cfg, weights, build, sequences_n=args.sequences, length=args.length, steps=args.steps,
-                         batch=args.batch, lr=args.lr, seed=args.seed, coverage=args.coverage)
+                         batch=args.batch, lr=args.lr, seed=args.seed, coverage=args.coverage,
+                         chain=args.chain, corpus=corpus)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".tmp", delete=False) as tmp:
         pass

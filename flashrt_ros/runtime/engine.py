@@ -141,6 +141,16 @@ class Engine:
                 self._policy_step = step(
                     lambda: self.model.policy_step(self._obs_in, self._action_out,
                                                    self.model.decode_span(self._state.position, self.fixed_shapes)))
+            # Fixed-shape verify passes, one per row count: the rows' tokens and logits at fixed
+            # addresses and every cache row read under a mask, so that on CUDA each is a graph.
+            self._verify_steps: dict[int, Step] = {}
+            spec = self._speculation
+            if spec is not None and self.fixed_shapes:
+                self._verify_in = torch.zeros(spec.max_draft + 1, dtype=torch.int64, device=self.device)
+                self._verify_out = torch.zeros(spec.max_draft + 1, cfg.vocab_size, dtype=self.dtype, device=self.device)
+                for n in range(2, min(spec.max_draft + 1, self.max_seq_len) + 1):
+                    self._verify_steps[n] = step(lambda n=n: self._verify_out[:n].copy_(
+                        self.model.verify(self._verify_in[:n], 0, spec.kept, fixed=True)))
             self.arena.buffer.zero_()
             self._state = Boundary(ring=self._slots.saved((), self.arena.buffer, 0))
         if self.cuda_graphs:
@@ -408,6 +418,11 @@ class Engine:
         with self._lock:
             return None if self._speculation is None else replace(self._speculation.stats)
 
+    @property
+    def speculation(self) -> Speculation | None:
+        """Speculative decoding's drafter and switch-off rule (None without an MTP layer)."""
+        return self._speculation
+
     def _stream(self, n: int, sync_every: int, lineage: int, temperature: float, seed: int | None,
                 scored: bool, drafts: int) -> Iterator[int] | Iterator[tuple[int, float]]:
         # Each step copies its token into a device-side list under the lock, and reading
@@ -476,8 +491,8 @@ class Engine:
             else:   # another caller committed meanwhile: the logits of the state as it is
                 logits = model.logits()
             first, first_margin = self._choose(logits, at, sampled)
-            draft = model.draft(first, at, k, spec.vocab, spec.head)
-            rows = model.verify(torch.cat([first, draft]), at, spec.kept, self.fixed_shapes)
+            draft = spec.drafter(first, at, k)
+            rows = self._verify(torch.cat([first, draft]), at)
             chosen = [self._choose(rows[i:i + 1], at + 1 + i, sampled) for i in range(k + 1)]
             agree = (draft == torch.cat([c[0] for c in chosen[:k]])).tolist()
             accepted = agree.index(False) if False in agree else k
@@ -489,6 +504,16 @@ class Engine:
         tokens = torch.cat([first, draft[:accepted]])
         margins = torch.cat([first_margin] + [c[1] for c in chosen[:accepted]])
         return tokens, margins, ((self._state.lineage, self._state.position), rows[accepted:accepted + 1])
+
+    def _verify(self, tokens: torch.Tensor, at: int) -> torch.Tensor:
+        """``Qwen35.verify`` of ``tokens`` at position ``at``: its fixed-shape step (a graph on CUDA)
+        where the engine decodes with fixed shapes, else eagerly over the live rows."""
+        step = self._verify_steps.get(tokens.shape[0])
+        if step is None:
+            return self.model.verify(tokens, at, self._speculation.kept, self.fixed_shapes)
+        self._verify_in[:tokens.shape[0]].copy_(tokens)
+        step()
+        return self._verify_out[:tokens.shape[0]].clone()   # the next pass writes the same rows
 
     def _choose(self, logits: torch.Tensor, position: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The token [1] and its margin [1] that decode picks from ``logits`` [1, vocab] for the

@@ -2,7 +2,8 @@
 them, for checkpoints that ship none (transformers drops ``mtp.*`` when it saves a model).
 
 A head file is a safetensors file with every ``mtp.*`` tensor the config implies, under the
-checkpoint's names, and optionally ``mtp.draft_vocab``: int64 token ids, the only ones the
+checkpoint's names (so that it also serves as one more shard of a checkpoint folder without a
+shard index), and optionally ``mtp.draft_vocab``: int64 token ids, the only ones the
 head drafts (its logits are then a product with those lm_head columns alone, a fraction of the
 bytes). Its metadata says which model it was distilled from (``distilled_from``, that model's
 fingerprint without ``mtp.*``) and how often its drafts were accepted.
@@ -17,9 +18,9 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from .config import ModelConfig
-from .weights import expected_shapes, fingerprint
+from .weights import DRAFT_VOCAB, expected_shapes, fingerprint
 
-DRAFT_VOCAB = "mtp.draft_vocab"
+__all__ = ["DRAFT_VOCAB", "base_fingerprint", "check_draft_vocab", "head_names", "load", "save"]
 
 
 def head_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,9 +60,19 @@ class SpeculationStats:
         return (self.passes + self.accepted) / self.passes if self.passes else 0.0
 
 
+# What makes the drafts of a pass: (the main model's token [1], its position, count) -> [count].
+Drafter = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
 class Speculation:
-    """The verify's fixed-block images, the draft vocabulary, and the rule that switches
-    speculation off while it does not pay."""
+    """The verify's fixed-block images, the drafter, and the rule that switches speculation off
+    while it does not pay.
+
+    ``drafter`` is the MTP layer (``Qwen35.draft`` over the draft vocabulary); a benchmark or a
+    test may set another one (it must leave the arena as the MTP layer's does, which calling
+    that first guarantees). ``break_even``: the acceptance under which a window of passes turns
+    speculation off; 0 keeps it on whatever the acceptance.
+    """
 
     def __init__(self, arena: StateArena, model: Qwen35, max_draft: int,
                  draft_vocab: torch.Tensor | None = None) -> None:
@@ -81,6 +92,17 @@ class Speculation:
         # of k drafts reads the weights once plus k drafts' bytes and commits 1 + accepted tokens.
         self.break_even = min(1.0, OVERHEAD * self.draft_bytes / model.weight_bytes_per_token())
         self._recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)
+        self._off_for = 0
+        self.drafter: Drafter = self.mtp_drafts
+        self._model = model
+
+    def mtp_drafts(self, token: torch.Tensor, position: int, count: int) -> torch.Tensor:
+        """The MTP layer's drafts (the default drafter)."""
+        return self._model.draft(token, position, count, self.vocab, self.head)
+
+    def restart(self) -> None:
+        """Forget the passes so far: the next ones decide afresh whether speculation pays."""
+        self._recent.clear()
         self._off_for = 0
 
     def wanted(self) -> bool:
@@ -103,3 +125,27 @@ class Speculation:
                 self._off_for = BACKOFF
                 self._recent.clear()
                 s.turned_off += 1
+
+
+class KnownDrafts:
+    """A drafter for measurement: the drafts of a head whose acceptance is known. It runs the
+    MTP layer's steps (their cost and their KV rows, as a real pass has them), then drafts
+    ``continuation``, the tokens plain decode commits from position ``start`` on, except that a
+    share ``wrong`` of the positions (by a hash of the position) is drafted one token off."""
+
+    def __init__(self, spec: Speculation, continuation: list[int], start: int, wrong: float,
+                 vocab_size: int) -> None:
+        self.spec, self.continuation, self.start = spec, continuation, start
+        self.wrong, self.vocab_size = wrong, vocab_size
+
+    def _off(self, position: int) -> bool:
+        return (position * 2654435761) % (1 << 32) < self.wrong * (1 << 32)
+
+    def __call__(self, token: torch.Tensor, position: int, count: int) -> torch.Tensor:
+        made = self.spec.mtp_drafts(token, position, count)
+        out = []
+        for at in range(position + 1, position + 1 + count):
+            row = at - self.start
+            t = self.continuation[row] if 0 <= row < len(self.continuation) else 0
+            out.append((t + 1) % self.vocab_size if self._off(at) else t)
+        return torch.tensor(out, dtype=torch.int64, device=made.device)

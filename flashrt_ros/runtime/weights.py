@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 # Groups a checkpoint may omit; they are then seeded (flagged in the engine's info).
 OPTIONAL_PREFIXES = ("mtp.", "policy.")
+# Not a weight: the token ids an MTP head drafts over (``mtp_head``), kept with its tensors.
+DRAFT_VOCAB = "mtp.draft_vocab"
 # Prefixes of multimodal checkpoints mapped onto the text model, or ignored.
 _RENAMES = (("model.language_model.", "model."),)
 _IGNORED = ("model.visual.", "visual.", "model.vision_tower.")
@@ -224,14 +226,14 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
                         log.warning("policy_dims %s replaces the stored head %s: seeding a new one",
                                     tuple(policy_dims), raw_name)
                         continue
-                    if name not in shapes:
+                    if name not in shapes and name != DRAFT_VOCAB:
                         if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
                             log.warning("ignoring unexpected tensor %s in %s", raw_name, file.name)
                         continue
                     if name in weights:   # in two shards, or under two names: which one is meant?
                         raise CheckpointError(f"{file.name}: tensor {raw_name} is stored twice in {path}")
                     tensor = reader.get_tensor(raw_name)
-                    if tuple(tensor.shape) != shapes[name]:
+                    if name != DRAFT_VOCAB and tuple(tensor.shape) != shapes[name]:
                         raise CheckpointError(
                             f"{file.name}: tensor {raw_name} has shape {tuple(tensor.shape)}, "
                             f"config implies {shapes[name]}")
