@@ -266,6 +266,34 @@ def test_a_sampled_goal_draws_what_the_engine_draws_and_its_journal_replays(live
         _refused(wait_future(result).result, ErrorCode.INVALID_ARGUMENT)
 
 
+def test_a_speculative_goal_gives_plain_decodes_tokens_and_bad_drafts_are_refused(live):
+    """The goal's field, or the node's parameter when the field is -1; a refusal commits nothing."""
+    from rclpy.parameter import Parameter
+
+    from flashrt_ros.runtime import Engine, ModelConfig
+
+    h = live
+    reference = Engine.from_config(ModelConfig.tiny(obs_dim=23, action_dim=7), max_seq_len=512)
+    reference.prefill([9, 8, 7])
+    expected = reference.generate(40)
+    expected = expected[:expected.index(257) + 1] if 257 in expected else expected
+    _, result = h.generate(token_ids=[9, 8, 7], max_new_tokens=40, speculative=2)
+    res = wait_future(result).result
+    assert res.success and list(res.tokens) == expected, res.message
+    before = h.node.engine.speculation_stats
+    assert before.passes > 0
+    for bad in (-2, 99):
+        _, result = h.generate(token_ids=[1, 2], max_new_tokens=4, speculative=bad)
+        _refused(wait_future(result).result, ErrorCode.INVALID_ARGUMENT)
+    assert h.node.engine.position == 3 + len(expected)   # neither prompt was committed
+    assert h.node.set_parameters([Parameter("speculative", value=3)])[0].successful
+    _, result = h.generate(max_new_tokens=6)   # -1: the node's parameter
+    assert wait_future(result).result.success
+    # Asked to speculate: a pass, or a plain token while the seeded head's rejections keep it off.
+    after = h.node.engine.speculation_stats
+    assert after.passes + after.plain_tokens > before.passes + before.plain_tokens
+
+
 def test_generate_refusals_and_cancel(live):
     h = live
     for goal, code in [({"token_ids": [999_999]}, ErrorCode.INVALID_ARGUMENT),
