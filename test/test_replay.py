@@ -150,6 +150,32 @@ def test_refused_request_ids_and_a_spill_switch_replay_identically(ros_context, 
     assert replay_main([str(bag)]) == 0
 
 
+def test_a_speculative_session_with_an_mtp_head_replays_given_the_same_head(ros_context, tmp_path):
+    """Its tokens are journaled one entry each and replay as plain decode steps, exactly; the
+    head file is not recorded (the fingerprint covers its weights), so replay asks for it."""
+    from ros_harness import wait_future
+
+    from flashrt_ros.runtime import ModelConfig, mtp_head
+    from flashrt_ros.runtime.weights import seeded_weights
+
+    head = tmp_path / "head.safetensors"
+    cfg = ModelConfig.tiny(obs_dim=23, action_dim=7)
+    mtp_head.save(head, {n: t for n, t in seeded_weights(cfg, 5).items() if n.startswith("mtp.")}, {})
+
+    def work(h):
+        _, result = h.generate(token_ids=list(range(1, 20)), max_new_tokens=30)   # the node's speculative=3
+        assert wait_future(result).result.success
+        assert h.call("snapshot", name="mid").success
+        assert h.call("rollback", steps=4).success
+        _, result = h.generate(max_new_tokens=12, speculative=2)
+        assert wait_future(result).result.success
+        assert h.node.engine.speculation_stats.passes > 0
+
+    bag = _session(ros_context, tmp_path, {"mtp_head": str(head), "speculative": 3}, work)
+    assert replay_main([str(bag)]) == 2   # the seeded head: another model fingerprint
+    assert replay_main([str(bag), "--mtp-head", str(head)]) == 0
+
+
 def test_a_journal_that_cannot_write_stops_and_changes_no_answer(ros_context, tmp_path):
     import errno
 

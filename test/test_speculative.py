@@ -21,6 +21,7 @@ from flashrt_ros.runtime import Engine, ModelConfig
 from flashrt_ros.runtime import mtp_head
 from flashrt_ros.runtime.backends import cpu as cpu_backend
 from flashrt_ros.runtime.speculative import KnownDrafts
+from flashrt_ros.resources import package_file
 from flashrt_ros.serving.session import Session
 from hf_reference import CONFIGS, save_hf_model
 
@@ -81,6 +82,23 @@ def _exact(engine: Engine, prompt: list[int], n: int, drafts: tuple[int, ...]) -
 def test_embedded_default_speculative_equals_plain_token_for_token_and_byte_for_byte():
     """2400 tokens: 600 per drafts-per-pass, a digest at every boundary a pass ends on."""
     _exact(Engine.from_config(ModelConfig.tiny(), max_seq_len=700), PROMPT, 600, (1, 2, 3, 4))
+
+
+@needs_kernels
+def test_a_trained_model_with_its_distilled_head_is_exact_and_its_drafts_are_accepted():
+    """data/spec_tiny: the embedded default's backbone trained on Python source, with the head
+    flashrt-train-mtp distilled from it (the head file in the checkpoint folder): real drafts,
+    most of them accepted, and 4 x 250 tokens with plain decode's tokens and states."""
+    engine = Engine.from_pretrained(package_file("data/spec_tiny"), max_seq_len=400)
+    for text in (b"import os\n\n\ndef ", b"class Reader:\n    def __init__(self", b"    return self.",
+                 b"# Copyright 2001 Python Software Foundation\n"):
+        prompt = [256, *text]
+        plain, digests, _ = _plain(engine, prompt, 250)
+        before = engine.speculation_stats
+        tokens, checked = _speculative(engine, prompt, 250, 3, digests)
+        assert tokens == plain and checked > 0
+    stats = engine.speculation_stats
+    assert stats.passes > before.passes and stats.acceptance > 0.5, stats
 
 
 @needs_kernels

@@ -7,7 +7,8 @@ config's backbone (hidden 512, 8 layers at 3 linear : 1 full) with the byte voca
 embedded default, on the source files of the Python standard library that runs it (present on
 every machine), with transformers' ``Qwen3_5ForCausalLM`` as the differentiable reference.
 
-It is a small model trained for minutes: its greedy text is code-like and repetitive, as an
+``--size tiny`` trains the embedded default's backbone the same way: the shipped test checkpoint
+``data/spec_tiny``. It is a small model trained for minutes: its greedy text is code-like and repetitive, as an
 undertrained model's is. That makes its drafts easier to accept than a released checkpoint's;
 the benchmark says so beside every figure it measures on it.
 
@@ -30,9 +31,13 @@ from ..runtime.tokenizer import BOS, EOS
 _NOT_HF = ("architectures", "model_type", "mtp_num_hidden_layers", "obs_dim", "action_dim")
 
 
-def config() -> ModelConfig:
-    """The bench config's backbone with the byte vocabulary (256 bytes and 4 specials)."""
-    return ModelConfig.bench(vocab_size=260, eos_token_ids=(EOS,))
+SIZES = {"bench": ModelConfig.bench, "tiny": ModelConfig.tiny}
+
+
+def config(size: str = "bench") -> ModelConfig:
+    """A size's backbone (the bench config's, or the embedded default's) with the byte
+    vocabulary (256 bytes and 4 specials)."""
+    return SIZES[size](vocab_size=260, eos_token_ids=(EOS,))
 
 
 def corpus() -> torch.Tensor:
@@ -85,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=sorted(SIZES), default="bench",
+                        help="backbone: the bench config's (the benchmark's) or the embedded default's (the tests')")
     args = parser.parse_args(argv)
-    cfg = config()
+    cfg = config(args.size)
     print(f"training {cfg.hidden_size}-wide, {cfg.num_hidden_layers}-layer byte model on {corpus().numel()} bytes "
           f"of Python {sys.version.split()[0]} source", flush=True)
     model, loss = train(cfg, args.steps, args.batch, args.length, args.lr, args.seed)

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
                 raise ValueError(f"the session records torch_threads={threads!r}, not an int >= 1")
             torch.set_num_threads(threads)
         key = signing.load_key(args.capsule_key_file) if args.capsule_key_file else None
-        engine = engine_for(journal.session, args.device, args.capsule_dir, key, strict=args.verdict == "exact")
+        engine = engine_for(journal.session, args.device, args.capsule_dir, key, strict=args.verdict == "exact",
+                            mtp_head=args.mtp_head)
     except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read
         print(f"flashrt-replay: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -120,6 +121,8 @@ def parser(prog: str = "flashrt-replay", description: str | None = __doc__,
         parser.add_argument("--capsule-dir", help="where the disk capsules the session started with are now "
                             "(default: the capsule_dir it recorded); they are copied, never changed")
         parser.add_argument("--capsule-key-file", help="the key file of a session that signed its capsule files")
+        parser.add_argument("--mtp-head", help="the MTP head file of a session whose node served with mtp_head "
+                            "(not recorded; its weights are in the recorded fingerprint)")
     parser.add_argument("--verdict", choices=("auto", "exact", "portable"), default="auto",
                         help="the verdict that decides the exit status (default auto: exact on the recording's "
                         "platform, portable elsewhere)")

@@ -102,13 +102,14 @@ def native_kernels(engine: Engine) -> dict[str, str]:
 
 
 def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None,
-               capsule_key: bytes | None = None, strict: bool = True) -> Engine:
+               capsule_key: bytes | None = None, strict: bool = True, mtp_head: str | None = None) -> Engine:
     """A fresh engine like the recorded one; refuses if its fingerprints come out different,
     and, when ``strict`` (for the exact verdict), if it cannot run the recorded kernels.
 
     Its disk tier is a new temporary folder, holding copies of the capsules the
     session found at start, taken from ``capsule_dir`` (default: the recorded one).
-    ``capsule_key``: the key a session that signed its capsule files ran with (not recorded).
+    ``capsule_key``: the key a session that signed its capsule files ran with (not recorded);
+    ``mtp_head``: the MTP head file it ran with (not recorded either; the fingerprint covers it).
     """
     if session.get("version") != VERSION:
         raise InvalidArgument(f"session format version {session.get('version')!r}, this replay reads {VERSION}")
@@ -120,7 +121,7 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
         folder = tempfile.mkdtemp(prefix="flashrt-replay-")
         _copy_preloaded(preloaded, Path(capsule_dir or session.get("capsule_dir", "")), Path(folder))
         capsule_dir = folder
-    engine = Engine.load(session["model_path"], seed=session["seed"],
+    engine = Engine.load(session["model_path"], seed=session["seed"], mtp_head=mtp_head or None,
                          policy_dims=(session["obs_dim"], session["action_dim"]), device=device,
                          dtype=getattr(torch, session["dtype"]), max_seq_len=session["max_seq_len"],
                          rollback_depth=session["rollback_depth"], budgets=session["budgets"] or None,
@@ -143,7 +144,8 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
         if getattr(engine, key) != session[key]:
             engine.close()
             raise InvalidArgument(f"the rebuilt engine's {key} differs from the recorded one: "
-                                  f"different weights or layout ({session['model_path'] or 'embedded default'})")
+                                  f"different weights or layout ({session['model_path'] or 'embedded default'}; "
+                                  f"a node that served with mtp_head needs the same file: --mtp-head)")
     loaded = {c.id: c.digest for c in engine.capsules.list()}
     for capsule in preloaded:
         if loaded.get(capsule["id"]) != capsule["digest"]:

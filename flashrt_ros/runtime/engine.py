@@ -165,7 +165,7 @@ class Engine:
         ``mtp_head``: a head file (``runtime.mtp_head``) in place of the seeded MTP layer."""
         inputs.check_seed(seed)
         weights = weights_io.seeded_weights(cfg, seed)
-        seeded = [name for name in weights_io.expected_shapes(cfg)]
+        seeded = list(weights_io.expected_shapes(cfg))
         if mtp_head:
             weights, seeded = _with_head(cfg, weights, seeded, mtp_head)
         return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=tuple(seeded),
@@ -359,7 +359,8 @@ class Engine:
         return list(self.stream(n, sync_every=0, temperature=temperature, seed=seed, speculative=speculative))
 
     def stream(self, n: int, sync_every: int = 1, *, temperature: float = 0.0, seed: int | None = None,
-               scored: bool = False, speculative: int | None = None) -> Iterator[int] | Iterator[tuple[int, float]]:
+               scored: bool = False,
+               speculative: int | None = None) -> Iterator[int] | Iterator[tuple[int, float, int]]:
         """Yield tokens as they are committed: greedy, or drawn from softmax(logits / temperature).
         ``scored``: yield (token, margin, position) triples, the margin being the gap between the
         two best scores of the choice in logit units (``sampling.margin``), which a replay on
@@ -424,7 +425,7 @@ class Engine:
         return self._speculation
 
     def _stream(self, n: int, sync_every: int, lineage: int, temperature: float, seed: int | None,
-                scored: bool, drafts: int) -> Iterator[int] | Iterator[tuple[int, float]]:
+                scored: bool, drafts: int) -> Iterator[int] | Iterator[tuple[int, float, int]]:
         # Each step copies its token into a device-side list under the lock, and reading
         # it back costs one sync per ``sync_every`` tokens, not per token. Another caller
         # may restore or roll back between two steps: the stream then stops rather than

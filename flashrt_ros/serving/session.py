@@ -169,10 +169,10 @@ class Session:
                 self._version += 1
             stream = engine.stream(n, sync_every=1, temperature=temperature, seed=seed, scored=True,
                                    speculative=speculative)
-        return self._tokens(stream, temperature, seed, speculative)
+        return self._tokens(stream, temperature, seed)
 
-    def _tokens(self, stream: Iterator[tuple[int, float, int]], temperature: float, seed: int | None,
-                speculative: int | None) -> Iterator[int]:
+    def _tokens(self, stream: Iterator[tuple[int, float, int]], temperature: float,
+                seed: int | None) -> Iterator[int]:
         first = True
         while True:
             with self.engine.lock:   # the token and its entry in one hold: nothing lands between them
@@ -180,12 +180,11 @@ class Session:
                 if scored is None:
                     return
                 token, margin, position = scored
-                # How it was drawn; a speculative token replays as a plain decode step (the same bytes).
+                # How it was drawn. Not whether speculatively: such a token replays as a plain
+                # decode step, which commits the same bytes (``Engine.stream``).
                 how: dict[str, Any] = {"temperature": temperature} if temperature > 0 else {}
                 if seed is not None and first:
                     how["seed"] = seed
-                if speculative:
-                    how["speculative"] = speculative
                 self._record(DECODE, how, None, {"token": token, "margin": margin}, position=position)
                 self._version += 1
             first = False

@@ -311,7 +311,7 @@ class Qwen35:
         rewrites the later ones from the main model's hidden states. ``vocab`` [V'] and ``head``
         [H, V'] (its lm_head columns): draft over that subset of the vocabulary only."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hq, d = cfg.num_attention_heads, cfg.head_dim
         b = self.mtp
         prev = self.last_hidden[None]
         out = torch.empty(count, dtype=torch.int64, device=self.device)
