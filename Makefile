@@ -7,7 +7,8 @@
 #   make bench   python -m flashrt_ros.bench (installed package)
 #   make train-policy  retrain data/policies/reach_arm from its seed (a few minutes)
 #   make spec-model    train build/spec_model, the byte model and MTP head the speculative
-#                benchmark measures (about 15 minutes; make bench makes it when missing)
+#                benchmark measures (about 17 minutes; make bench makes it when missing)
+#   make spec-tiny     retrain data/spec_tiny, the small one the tests use (about 6 minutes)
 #   make clean   remove build/ install/ log/; `make distclean` also .venv
 #   make freeze  rewrite requirements/constraints*.txt and lock-<distro>-*.txt from .venv
 #
@@ -83,6 +84,8 @@ VENV_STAMP := $(VENV)/.flashrt-setup-$(SETUP_KEY)-$(REQ_HASH)
 BUILD_STAMP := install/.flashrt-built
 SPEC_MODEL := build/spec_model
 SPEC_HEAD := $(SPEC_MODEL)/mtp_head.safetensors
+# The Python standard library's folder: the text the speculative models are trained and prompted on.
+STDLIB := import sysconfig; print(sysconfig.get_paths()['stdlib'])
 BUILD_INPUTS := package.xml CMakeLists.txt $(shell find msg srv action cmake \
   flashrt_ros launch config data scripts src -name __pycache__ -prune -o -print 2>/dev/null)
 
@@ -98,7 +101,7 @@ set +eu; . "$(CURDIR)/install/setup.sh"; set -eu
 export PYTHONSAFEPATH=1
 endef
 
-.PHONY: help setup test demo bench train-policy spec-model clean distclean freeze info
+.PHONY: help setup test demo bench train-policy spec-model spec-tiny clean distclean freeze info
 
 help:
 	@sed -n '3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
@@ -234,8 +237,15 @@ $(SPEC_HEAD): | $(BUILD_STAMP)
 	@$(ACTIVATE)
 	$(SOURCE_INSTALL)
 	python -m flashrt_ros.distill.train_lm $(SPEC_MODEL)
-	python -m flashrt_ros.distill.train_mtp $(SPEC_MODEL) --out $@ \
-	  --prompts "$$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
+	python -m flashrt_ros.distill.train_mtp $(SPEC_MODEL) --out $@ --prompts "$$(python -c "$(STDLIB)")"
+
+spec-tiny: setup
+	@$(ACTIVATE)
+	$(SOURCE_INSTALL)
+	rm -f data/spec_tiny/mtp_head.safetensors
+	python -m flashrt_ros.distill.train_lm data/spec_tiny --size tiny --steps 800 --batch 16 --lr 3e-3
+	python -m flashrt_ros.distill.train_mtp data/spec_tiny --out data/spec_tiny/mtp_head.safetensors \
+	  --prompts "$$(python -c "$(STDLIB)")"
 
 train-policy: setup
 	@$(ACTIVATE)
