@@ -124,7 +124,7 @@ def train(layer: MtpLayer, tokens: torch.Tensor, prev: torch.Tensor, targets: to
     for step in range(1, steps + 1):
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
-        pick = torch.randint(0, tokens.shape[0], (batch,), generator=gen)
+        pick = torch.randint(0, tokens.shape[0], (batch,), generator=gen).to(tokens.device)
         loss, logits = chained_loss(layer, tokens[pick], prev[pick], targets[pick], chain)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -173,18 +173,20 @@ def distill(cfg: ModelConfig, weights: dict[str, torch.Tensor], build, *, sequen
 
     t0 = time.monotonic()
     with build(None) as engine:
+        device = engine.device
         tokens, hidden = sequences(engine, starts(sequences_n, seed), length)
-        lm_head = engine.model.lm_head.w.t().float().cpu()
-        embed = engine.model.embed.float().cpu()
+        lm_head = engine.model.lm_head.w.t().float()
+        embed = engine.model.embed.float()
     print(f"{sequences_n} sequences of {length} tokens in {time.monotonic() - t0:.0f} s", flush=True)
+    tokens, hidden = tokens.to(device), hidden.to(device)
     targets = (hidden @ lm_head.t()).argmax(-1)                     # the main model's choice after each row
     prev = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], 1)
     start = {n: t for n, t in weights.items() if n.startswith("mtp.")}
-    layer = MtpLayer(cfg, start, embed, lm_head, max_len=length)
+    layer = MtpLayer(cfg, start, embed, lm_head, max_len=length).to(device)
     torch.manual_seed(seed)
     history = train(layer, tokens, prev, targets, steps, batch, lr, seed, chain)
-    head = layer.state()
-    vocab = draft_vocab(targets, cfg.vocab_size, coverage)
+    head = {n: t.cpu() for n, t in layer.state().items()}
+    vocab = draft_vocab(targets.cpu(), cfg.vocab_size, coverage)
     if vocab is not None:
         head[mtp_head.DRAFT_VOCAB] = vocab
     measured = acceptance(build, head, starts(held_out, seed + 1), length // 2, (1, 2, 3))
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chain", type=int, default=3,
                         help="draft steps trained in a chain (each on the one before's output)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model decodes and the head trains")
     parser.add_argument("--prompts", type=Path, help="a text file or a folder of them: prompts are slices of it "
                                                      "(default: random token ids)")
     args = parser.parse_args(argv)
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
 
     def build(head: dict[str, torch.Tensor] | None) -> Engine:
-        return Engine(cfg, weights | (head or {}), max_seq_len=2 * args.length + 96)
+        return Engine(cfg, weights | (head or {}), device=args.device, max_seq_len=2 * args.length + 96)
 
     corpus = None if args.prompts is None else read_prompts(args.prompts, "" if name in CONFIGS else name,
                                                              cfg.vocab_size)

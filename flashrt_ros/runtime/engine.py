@@ -477,7 +477,8 @@ class Engine:
         if read < n:
             yield from read_back(read, n)
 
-    def _speculative_pass(self, drafts: int, left: int, sampled: bool, follows: tuple | None):
+    def _speculative_pass(self, drafts: int, left: int, sampled: bool,
+                          follows: tuple | None) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
         """One pass of up to ``drafts`` drafts and their verify, committing 1 + the accepted ones:
         (tokens, margins, the logits that follow them) or None when no draft fits (at the end
         of the request or of the context), the caller then decodes one token plainly."""

@@ -85,8 +85,8 @@ class Speculation:
             self.vocab = draft_vocab.to(model.device)
             self.head = model.lm_head.w.index_select(1, self.vocab).contiguous()
         self.stats = SpeculationStats()
-        head_bytes = (self.head if self.head is not None else model.lm_head.w)
-        draft = [p.w for p in model.draft_projections()] + [model.mtp_fc.w, model.mtp_kv_proj.w, head_bytes]
+        head = self.head if self.head is not None else model.lm_head.w
+        draft = [p.w for p in model.draft_projections()] + [model.mtp_fc.w, model.mtp_kv_proj.w, head]
         self.draft_bytes = sum(t.numel() * t.element_size() for t in draft)
         # Accepted per draft made for a pass to cost no more per token than plain decode: a pass
         # of k drafts reads the weights once plus k drafts' bytes and commits 1 + accepted tokens.
