@@ -197,7 +197,8 @@ class FlashRTNode(LifecycleNode):
                     cuda_graphs=vals["cuda_graphs"], cpu_kernels=vals["cpu_kernels"],
                     capsule_dir=vals["capsule_dir"] or None,
                     capsule_key=signing.load_key(vals["capsule_key_file"]) if vals["capsule_key_file"] else None,
-                    budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"])
+                    budgets=params.budgets(vals), spill=vals["spill"], rollback_depth=vals["rollback_depth"],
+                    max_draft_tokens=vals["max_draft_tokens"])
         engine = Engine.load(vals["model_path"], seed=vals["seed"], mtp_head=vals["mtp_head"] or None,
                              policy_dims=(vals["policy.obs_dim"], vals["policy.action_dim"]), **opts)
         try:

@@ -73,6 +73,8 @@ PARAMS = (
     Param("speculative", 0, "drafts per pass of speculative decoding (the MTP layer drafts, one forward "
           "verifies; the same tokens) for Generate goals that leave `speculative` at -1; 0 = off",
           read_only=False, lo=0, hi=16),
+    Param("max_draft_tokens", 4, "the most drafts a speculative pass verifies (the engine keeps the fixed-size "
+          "state of that many rows plus one; at most 7 on the CPU backend)", lo=1, hi=64),
     Param("mtp_head", "", "MTP head file (flashrt-train-mtp) in place of the checkpoint's MTP layer; "
           "empty = the checkpoint's (seeded where it has none)"),
     Param("rollback_depth", 8, "committed boundaries Rollback can step back through", lo=1, hi=4096),
