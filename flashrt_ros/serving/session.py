@@ -181,7 +181,7 @@ class Session:
                     return
                 token, margin, position = scored
                 # How it was drawn. Not whether speculatively: such a token replays as a plain
-                # decode step, which commits the same bytes (``Engine.stream``).
+                # decode step, which commits the same bytes on the CPU backend (``Engine.stream``).
                 how: dict[str, Any] = {"temperature": temperature} if temperature > 0 else {}
                 if seed is not None and first:
                     how["seed"] = seed
