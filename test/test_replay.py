@@ -398,3 +398,21 @@ def test_every_topic_of_a_journal_bag_has_its_real_type_for_rosbags_and_mcap():
     assert [e.kind for e in decoded["/flashrt/journal"]][:2] == ["prefill", "decode"]
     assert list(decoded["/flashrt/generate/result"][0].tokens) == [
         e.outcome["token"] for e in read_bag(COMMITTED).entries if e.kind == "decode"]
+
+
+def test_a_journal_recorded_in_process_is_written_as_a_bag_and_replays(tmp_path):
+    """A session the session layer ran without a node (make bench's replay section records one)
+    has no node fields: its bag carries them empty, and replays."""
+    from flashrt_ros.replay import Journal
+    from flashrt_ros.replay.session import session_of
+    from flashrt_ros.runtime import Engine, ModelConfig
+    from flashrt_ros.serving.session import Session
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    session = Session(engine, Journal(session=session_of(engine, "", 0)))
+    list(session.generate([256, 5, 9], 6, speculative=2))
+    session.snapshot(name="s")
+    session.rollback(steps=2)
+    bag = write_bag(tmp_path / "bag", session.journal)
+    assert [e.kind for e in read_bag(bag).entries] == [e.kind for e in session.journal.entries]
+    assert replay_main([str(bag)]) == 0

@@ -113,8 +113,13 @@ def entry_of(msg: Any) -> Entry:
     return Entry(int(msg.seq), msg.kind, request, outcome)
 
 
+# The fields of how a node served the session: a session recorded in process has none of them.
+_NOT_A_NODE = {"node": "", "default_tier": "", "joint_states_topic": "", "ee_pose_topic": "", "action_topic": "",
+               "max_pose_age": 0.0}
+
+
 def session_message(session: dict[str, Any], stamp_ns: int) -> Any:
-    fields = {name: session[name] for name in _SESSION_SCALARS if name in session}
+    fields = _NOT_A_NODE | {name: session[name] for name in _SESSION_SCALARS if name in session}
     budgets = {tier: size for tier, size in (session.get("budgets") or {}).items() if size is not None}
     kernels = {name: session[name] for name in cpu_backend.KERNELS if name in session}
     preloaded = session.get("preloaded", [])
