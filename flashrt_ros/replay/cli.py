@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     print_verdicts(report, tolerance, verdict, session, here, ENTRY_TOPIC if outputs is JOURNAL_OUTPUTS else "operation")
     if report.stopped is None:
         print(f"final state digest {digest}")
-    return 0 if (report.exact if verdict == "exact" else report.portable) else 1
+    return 0 if report.passes(verdict) else 1
 
 
 def parser(prog: str = "flashrt-replay", description: str | None = __doc__,
@@ -163,7 +163,7 @@ def read_recorded(bag: str, session_bag: str | None) -> Recording:
 def print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: dict, here: dict,
                    where: str) -> None:
     messages = report.messages()
-    out = sys.stdout if (report.exact if verdict == "exact" else report.portable) else sys.stderr
+    out = sys.stdout if report.passes(verdict) else sys.stderr
     for finding in report.findings[:_SHOWN]:
         print(("MISMATCH " if verdict == "exact" or finding.portable == DIFFERS else "") +
               f"in {where}, message {finding.line()}", file=out)

@@ -69,6 +69,10 @@ class Verdicts:
     def portable(self) -> bool:
         return not any(f.portable == DIFFERS for f in self.findings)
 
+    def passes(self, verdict: str) -> bool:
+        """Whether the verdict applied ("exact" or "portable") holds: what decides the exit status."""
+        return self.exact if verdict == "exact" else self.portable
+
     @property
     def ties(self) -> int:
         return sum(f.portable == TIE for f in self.findings)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         write_report(Path(args.report), journal.entries, report)
     print_verdicts(report, tolerance, verdict, recorded, here, "operation")
-    return 0 if (report.exact if verdict == "exact" else report.portable) else 1
+    return 0 if report.passes(verdict) else 1
 
 
 def _parser() -> argparse.ArgumentParser:
