@@ -142,6 +142,8 @@ def acceptance(build, head: dict[str, torch.Tensor], starts: list[list[int]], le
     and tokens per pass; raises if a token differs from plain decode's."""
     out = {}
     with build(head) as engine:
+        # Every pass counts: the switch-off would stop drafting, and the count, where a head is poor.
+        engine.speculation.break_even = 0.0
         plain = []
         for start in starts:
             engine.reset()
