@@ -2,6 +2,9 @@
 (UNTRUSTED_CAPSULE) at start and on restore, and the live state is untouched."""
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from flashrt_ros.capsule import CapsuleError, diskformat, signing
@@ -81,6 +84,35 @@ def test_a_key_file_is_read_whole_and_a_short_or_missing_one_is_refused(tmp_path
         _engine(tmp_path, "a string key")
 
 
+def test_a_key_file_that_is_a_fifo_or_a_folder_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    refused = _in_thread(lambda: signing.load_key(fifo))
+    assert isinstance(refused, InvalidArgument) and "not a regular file" in str(refused)
+    with pytest.raises(InvalidArgument):
+        signing.load_key(tmp_path)
+    (tmp_path / "key").write_bytes(KEY)
+    os.symlink(tmp_path / "key", tmp_path / "mounted")   # a mounted secret is often a link
+    assert signing.load_key(tmp_path / "mounted") == KEY
+
+
+def _in_thread(call, timeout: float = 10.0):
+    """What ``call`` returned or raised, failing the test (not hanging it) past ``timeout``."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except BaseException as exc:   # the test inspects it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert outcome, f"no answer within {timeout} s"
+    return outcome[0]
+
+
 def test_the_node_signs_with_its_key_file_answers_untrusted_capsule_and_refuses_a_missing_key(ros_context, tmp_path):
     pytest.importorskip("rclpy")
     from ros_harness import Harness
@@ -105,3 +137,25 @@ def test_the_node_signs_with_its_key_file_answers_untrusted_capsule_and_refuses_
         assert missing.node.engine is None and missing.node._label == "unconfigured"
     finally:
         missing.close()
+
+
+def test_a_fifo_key_file_fails_configure_and_the_node_still_answers_its_lifecycle_services(ros_context, tmp_path):
+    pytest.importorskip("rclpy")
+    from lifecycle_msgs.msg import State, Transition
+    from lifecycle_msgs.srv import ChangeState, GetState
+    from ros_harness import Harness, wait_future
+
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    h = Harness(ros_context, {"capsule_key_file": str(fifo)}, activate=False)
+    try:
+        change = h.client.create_client(ChangeState, "/flashrt/change_state")
+        get = h.client.create_client(GetState, "/flashrt/get_state")
+        assert change.wait_for_service(timeout_sec=10) and get.wait_for_service(timeout_sec=10)
+        configure = ChangeState.Request(transition=Transition(id=Transition.TRANSITION_CONFIGURE))
+        assert not wait_future(change.call_async(configure), 20).success
+        state = wait_future(get.call_async(GetState.Request()), 10).current_state
+        assert state.id == State.PRIMARY_STATE_UNCONFIGURED and h.node.engine is None
+        assert h.call("list_capsules").error_code == ErrorCode.NOT_ACTIVE
+    finally:
+        h.close()

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import os
+import stat
 from pathlib import Path
 
 from .errors import InvalidCapsuleRequest, UntrustedCapsule
@@ -45,14 +46,32 @@ def check(key: bytes | None, header: dict, name: str) -> None:
 
 def load_key(path: str | os.PathLike) -> bytes:
     """The key in the file at ``path`` (its bytes as they are, one trailing newline dropped).
-    InvalidCapsuleRequest if it cannot be read or is shorter than MIN_KEY_BYTES."""
+    InvalidCapsuleRequest if it is not a regular file, cannot be read, or is shorter than
+    MIN_KEY_BYTES.
+
+    Opened without blocking and checked with ``fstat`` before a byte is read: a FIFO or a
+    device would otherwise hold the caller (a node's configure) until a writer comes. A link is
+    followed, since mounted secrets are commonly links to the file that holds the key."""
+    name = os.fspath(path)
     try:
-        with open(Path(path), "rb") as f:
-            key = f.read(MAX_KEY_BYTES + 2)
+        fd = os.open(Path(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise InvalidCapsuleRequest(f"capsule key file {os.fspath(path)!r}: {exc.strerror or exc}") from None
+        raise InvalidCapsuleRequest(f"capsule key file {name!r}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidCapsuleRequest(f"capsule key file {name!r} is not a regular file")
+        key = b""
+        while len(key) <= MAX_KEY_BYTES + 1:   # one byte past the limit is enough to refuse it
+            part = os.read(fd, MAX_KEY_BYTES + 2 - len(key))
+            if not part:
+                break
+            key += part
+    except OSError as exc:
+        raise InvalidCapsuleRequest(f"capsule key file {name!r}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
     key = key[:-1] if key.endswith(b"\n") else key
     if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
-        raise InvalidCapsuleRequest(f"capsule key file {os.fspath(path)!r} holds {len(key)} bytes; a key is "
+        raise InvalidCapsuleRequest(f"capsule key file {name!r} holds {len(key)} bytes; a key is "
                                     f"{MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes (e.g. head -c 32 /dev/urandom)")
     return key
