@@ -189,3 +189,81 @@ def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_tim
         spinner.join(5)
         sim.destroy_node()
         client.destroy_node()
+
+
+def test_the_sim_node_refuses_out_of_range_parameters_answers_every_reset_and_drops_huge_commands(ros_context):
+    from rcl_interfaces.msg import Parameter as ParameterMsg
+    from rcl_interfaces.msg import ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+    from sensor_msgs.msg import JointState
+    from std_srvs.srv import Trigger
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+    import rclpy
+
+    from flashrt_ros.ros.sim_node import SimNode
+    from ros_harness import wait_future
+
+    with pytest.raises(Exception, match="seed"):   # at start, rclpy refuses it against the range
+        SimNode(context=ros_context, parameter_overrides=[Parameter("seed", value=-1)])
+    sim = SimNode(context=ros_context, parameter_overrides=[Parameter("speed", value=10.0)])
+    client = rclpy.create_node("sim_param_client", context=ros_context)
+    states = []
+    client.create_subscription(JointState, "/joint_states", states.append, 100)
+    commands = client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
+    setter = client.create_client(SetParameters, "/flashrt_sim/set_parameters")
+    reset = client.create_client(Trigger, "/flashrt_sim/reset")
+    executor = SingleThreadedExecutor(context=ros_context)
+    executor.add_node(sim)
+    executor.add_node(client)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+
+    def set_parameter(name, value):
+        kind = ParameterType.PARAMETER_INTEGER if isinstance(value, int) else ParameterType.PARAMETER_STRING
+        field = "integer_value" if isinstance(value, int) else "string_value"
+        msg = ParameterMsg(name=name, value=ParameterValue(type=kind, **{field: value}))
+        return wait_future(setter.call_async(SetParameters.Request(parameters=[msg])), 10).results[0]
+
+    try:
+        assert setter.wait_for_service(timeout_sec=10) and reset.wait_for_service(timeout_sec=10)
+        for name, value in (("seed", -1), ("frame_id", ""), ("max_command_bytes", 0)):
+            result = set_parameter(name, value)
+            assert not result.successful and result.reason, (name, value)
+        assert sim.get_parameter("seed").value == 0
+        assert wait_future(reset.call_async(Trigger.Request()), 10).success
+        # A fault inside the simulator is an answer too, not a traceback and a client left waiting.
+        sim.arm.reset = lambda start: (_ for _ in ()).throw(RuntimeError("the model would not load"))
+        broken = wait_future(reset.call_async(Trigger.Request()), 10)
+        assert not broken.success and "would not load" in broken.message
+
+        deadline = time.monotonic() + 10
+        while sim.count_subscribers("/joint_trajectory") == 0 or len(states) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        huge = JointTrajectory(joint_names=list(JOINT_NAMES),
+                               points=[JointTrajectoryPoint(positions=[0.1, 0.2, 0.3])] * 20_000)
+        commands.publish(huge)   # refused by its size, before its points are parsed
+        deadline = time.monotonic() + 10
+        while sim.refused < 1:
+            assert time.monotonic() < deadline, "the oversized command was not refused"
+            time.sleep(0.01)
+        n = len(states)
+        deadline = time.monotonic() + 10
+        while len(states) < n + 5:   # the timer still steps and publishes
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        commands.publish(JointTrajectory(joint_names=list(JOINT_NAMES),
+                                         points=[JointTrajectoryPoint(positions=[0.1, 0.2, 0.3])]))
+        deadline = time.monotonic() + 10
+        while not np.allclose(sim.arm.data.ctrl[:3], [0.1, 0.2, 0.3]):   # a command of a usual size is taken
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sim.refused == 1
+    finally:
+        executor.shutdown()
+        spinner.join(5)
+        sim.destroy_node()
+        client.destroy_node()

@@ -14,8 +14,17 @@ a logged reason, and the targets stay as they were, when its joint names are not
 value is NaN or out of range, or its stamp is more than ``max_command_age`` s of simulation
 time old (an unstamped command, stamp zero, means "now", as the message defines).
 
+A command of more than ``max_command_bytes`` serialized bytes is refused before its points are
+parsed (rclpy would build every point as a Python object, holding the executor meanwhile); its
+stamp is not read, so in lockstep it answers nothing.
+
 Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` at rest; ~/jam
-(std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it.
+(std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it. Each answers
+success=false with the reason rather than raise.
+
+Parameters (each with its range, checked by rclpy at start and when set): ``seed``,
+``frame_id`` and ``max_command_age`` are read when used and may be set at run time; the others
+shape the node's timers and are read once.
 
 Time: with ``lockstep`` true, a control period is stepped once a command answering the latest
 state has come (its stamp is that state's; a refused one steps with the targets held):
@@ -33,8 +42,10 @@ from typing import Any
 
 from builtin_interfaces.msg import Time
 from geometry_msgs.msg import PoseStamped
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.serialization import deserialize_message
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import JointState
@@ -44,6 +55,7 @@ from trajectory_msgs.msg import JointTrajectory
 from ..errors import InvalidArgument
 from ..sim.arm import JOINT_NAMES, Arm, ArmState
 from ..sim.task import Episode
+from .params import Param
 from .spinning import run_node
 
 _LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
@@ -61,12 +73,12 @@ def seconds_of(stamp: Time) -> float:
 class SimNode(Node):
     def __init__(self, node_name: str = "flashrt_sim", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
-        self.declare_parameter("seed", 0)
-        self.declare_parameter("speed", 1.0)
-        self.declare_parameter("lockstep", False)
-        self.declare_parameter("frame_id", "base_link")
-        self.declare_parameter("max_command_age", 0.5)
-        self.declare_parameter("lockstep_patience", 1.0)
+        self.declare_parameters("", [(p.name, p.default, p.descriptor()) for p in PARAMS])
+        self.add_on_set_parameters_callback(_check)
+        # rclpy checks a descriptor's ranges, not its constraints text: the one a range cannot say.
+        reason = _reason("frame_id", self.get_parameter("frame_id").value)
+        if reason:
+            raise InvalidArgument(f"frame_id: {reason}")
         self.arm = Arm()
         self.refused = self.unanswered = 0
         self._lock = threading.Lock()
@@ -76,15 +88,13 @@ class SimNode(Node):
         self._pose = self.create_publisher(PoseStamped, "ee_pose", 10)
         self._clock_out = self.create_publisher(Clock, "/clock", 10)
         self._goal = self.create_publisher(PoseStamped, "~/episode_goal", _LATCHED)
-        self.create_subscription(JointTrajectory, "joint_trajectory", self._on_command, 10)
+        self.create_subscription(JointTrajectory, "joint_trajectory", self._on_raw_command, 10, raw=True)
         self.create_service(Trigger, "~/reset", self._on_reset)
         self.create_service(SetBool, "~/jam", self._on_jam)
         speed = float(self.get_parameter("speed").value)
         self._lockstep = bool(self.get_parameter("lockstep").value)
         patience = float(self.get_parameter("lockstep_patience").value)
         if not self._lockstep:
-            if speed <= 0:
-                raise InvalidArgument(f"speed must be > 0 (a multiple of real time), got {speed}")
             self.create_timer(self.arm.period / speed, self._tick)
         elif patience > 0:
             self.create_timer(patience / 4, lambda: self._unanswered(patience))
@@ -108,20 +118,28 @@ class SimNode(Node):
                 self._publish(state)
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        self._reset()
-        response.success, response.message = True, f"episode seed {self.get_parameter('seed').value} at rest"
-        return response
+        seed = self.get_parameter("seed").value
+        return _answer(response, lambda: self._reset(), f"episode seed {seed} at rest")
 
     def _on_jam(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
-        with self._lock:
-            if request.data:
-                self.arm.block(0)
-            else:
-                self.arm.unblock()
-        response.success, response.message = True, "joint1 jammed" if request.data else "joint1 free"
-        return response
+        def jam() -> None:
+            with self._lock:
+                if request.data:
+                    self.arm.block(0)
+                else:
+                    self.arm.unblock()
+        return _answer(response, jam, "joint1 jammed" if request.data else "joint1 free")
 
     # ---- commands -----------------------------------------------------------------------------------
+    def _on_raw_command(self, raw: bytes) -> None:
+        limit = self.get_parameter("max_command_bytes").value
+        if len(raw) > limit:
+            self.refused += 1
+            self.get_logger().warning(f"command refused: {len(raw)} serialized bytes, more than max_command_bytes "
+                                      f"{limit}", throttle_duration_sec=2.0)
+            return
+        self._on_command(deserialize_message(raw, JointTrajectory))
+
     def _on_command(self, msg: JointTrajectory) -> None:
         try:
             target = self._check(msg)
@@ -187,6 +205,44 @@ class SimNode(Node):
         self._pose.publish(pose)
         self._joints.publish(joints)
         self._published_at = time.monotonic()
+
+
+PARAMS = (
+    Param("seed", 0, "episode that ~/reset starts (its start pose and goal)", read_only=False, lo=0, hi=2**31 - 1),
+    Param("speed", 1.0, "multiple of real time the timer steps at (lockstep false)", lo=1e-3, hi=1e3),
+    Param("lockstep", False, "step a control period once a command answers the latest state"),
+    Param("frame_id", "base_link", "frame of ~/ee_pose and ~/episode_goal (not empty)", read_only=False),
+    Param("max_command_age", 0.5, "seconds of simulation time a stamped command may be old; 0 = no check",
+          read_only=False, lo=0.0, hi=3600.0),
+    Param("lockstep_patience", 1.0, "lockstep: wall-clock seconds before an unanswered state is stepped "
+          "with the targets held; 0 = wait for ever", lo=0.0, hi=3600.0),
+    Param("max_command_bytes", 65536, "largest joint_trajectory taken, serialized; larger ones are refused "
+          "before their points are parsed", read_only=False, lo=256, hi=1 << 24),
+)
+
+
+def _reason(name: str, value: Any) -> str:
+    return "must not be empty" if name == "frame_id" and not value else ""
+
+
+def _check(parameters: list) -> SetParametersResult:
+    """Checks beyond the descriptors' types and ranges, which rclpy applies itself."""
+    for parameter in parameters:
+        reason = _reason(parameter.name, parameter.value)
+        if reason:
+            return SetParametersResult(successful=False, reason=f"{parameter.name}: {reason}")
+    return SetParametersResult(successful=True)
+
+
+def _answer(response: Any, act: Any, done: str) -> Any:
+    """``response`` with success and ``done``, or success=false and the reason ``act`` failed:
+    a service of the simulator answers every request and never raises into the executor."""
+    try:
+        act()
+        response.success, response.message = True, done
+    except Exception as exc:   # a request must not end in a traceback and an unanswered client
+        response.success, response.message = False, f"{type(exc).__name__}: {exc}"
+    return response
 
 
 def main(argv: list[str] | None = None) -> int:
