@@ -13,7 +13,7 @@ from pathlib import Path
 from rosbags.rosbag2 import Reader
 
 from flashrt_ros.replay.bag import BagWriter
-from flashrt_ros.replay.types import deserialize, stored_name, typestore
+from flashrt_ros.replay.types import deserialize, typestore
 
 NODE = "/flashrt"
 SERVICES = ("snapshot", "restore", "fork", "rollback", "drop_capsule")
@@ -175,7 +175,7 @@ def copy_without(bag: Path, out: Path, topic: str, change=None, skip=None) -> No
             if change is not None:
                 msg = deserialize(raw, connection.msgtype)
                 if change(connection.topic, msg):
-                    raw = store.serialize_cdr(msg, stored_name(connection.msgtype))
+                    raw = store.serialize_cdr(msg, connection.msgtype)
             writer.write_message(connection.topic, connection.msgtype, bytes(raw), stamp)
     writer.close()
 

@@ -14,7 +14,7 @@ pytest.importorskip("rosbags")
 from flashrt_ros.replay.bag import read_bag, write_bag  # noqa: E402
 from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
 from flashrt_ros.replay.session import cpu_name  # noqa: E402
-from install_space import EXECUTABLES  # noqa: E402
+from install_space import EXECUTABLES, PREFIX  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "bags" / "attempt_with_rollback"
@@ -349,7 +349,7 @@ def test_every_topic_of_a_journal_bag_has_its_real_type_for_rosbags_and_mcap():
     from rosbags.rosbag2 import Reader
     from rosbags.typesys import Stores, get_typestore, get_types_from_msg
 
-    from flashrt_ros.replay.types import stored_name
+    from flashrt_ros.replay.types import schema_text
 
     expected = {"/flashrt/journal/session": "flashrt_ros/msg/JournalSession",
                 "/flashrt/journal": "flashrt_ros/msg/JournalEntry",
@@ -385,12 +385,17 @@ def test_every_topic_of_a_journal_bag_has_its_real_type_for_rosbags_and_mcap():
     store = get_typestore(Stores.ROS2_JAZZY)   # the standard types only: ours come from the bag
     with Reader(COMMITTED) as reader:
         assert {c.topic: c.msgtype for c in reader.connections} == expected
-        for c in reader.connections:   # every schema parses on its own
+        for c in reader.connections:   # every message schema parses on its own; a service
+            if c.msgtype.endswith("_Event"):   # event's is its .srv file, as rosbag2 writes it
+                assert c.msgdef.data == schema_text(c.msgtype)
+                assert c.msgdef.data.startswith("=" * 80 + f"\nSRV: {c.msgtype[:-len('_Event')]}\n")
+                continue
             store.register(get_types_from_msg(c.msgdef.data, c.msgtype))
         decoded = {}
         for c, _, raw in reader.messages():   # ROS itself reads every message, and so does rosbags
             decoded.setdefault(c.topic, []).append(deserialize_message(bytes(raw), ros_type(c.msgtype)))
-            store.deserialize_cdr(raw, stored_name(c.msgtype))   # (it refuses bytes after the fields)
+            if not c.msgtype.endswith("_Event"):
+                store.deserialize_cdr(raw, c.msgtype)   # (it refuses bytes after the fields)
     assert len(decoded["/flashrt/joint_states"]) == len(decoded["/flashrt/action"]) == 12
     events = decoded["/flashrt/snapshot/_service_event"]
     assert [e.info.event_type for e in events] == [1, 2]   # REQUEST_RECEIVED, RESPONSE_SENT
@@ -416,3 +421,61 @@ def test_a_journal_recorded_in_process_is_written_as_a_bag_and_replays(tmp_path)
     bag = write_bag(tmp_path / "bag", session.journal)
     assert [e.kind for e in read_bag(bag).entries] == [e.kind for e in session.journal.entries]
     assert replay_main([str(bag)]) == 0
+
+
+def test_rosbags_any_reader_opens_every_bag_the_package_ships_or_writes(tmp_path):
+    """rosbags' high-level reader, as docs/ros.md shows it: every message of every bag decodes.
+    Plain AnyReader refuses a bag with service events (rosbag2's own too): it cannot parse the
+    service definition rosbag2 stores for them; a bag without them it opens as it is."""
+    from rosbags.highlevel import AnyReader
+    from rosbags.highlevel.anyreader import AnyReaderError
+
+    from flashrt_ros.replay import Journal
+    from flashrt_ros.replay.bag import any_reader
+    from flashrt_ros.replay.salvage import complete_bag
+    from flashrt_ros.replay.session import session_of
+    from flashrt_ros.runtime import Engine, ModelConfig
+    from flashrt_ros.serving.session import Session
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    session = Session(engine, Journal(session=session_of(engine, "", 0)))
+    list(session.generate([256, 5, 9], 3))
+    session.snapshot(name="s")
+    in_process = write_bag(tmp_path / "in_process", session.journal)
+    engine.close()
+    cut = tmp_path / "cut"
+    shutil.copytree(COMMITTED, cut)
+    (mcap,) = cut.glob("*.mcap")
+    mcap.write_bytes(mcap.read_bytes()[:-64])
+    with complete_bag(cut) as (salvaged, _):
+        for bag, messages in ((COMMITTED, 63), (in_process, 1 + len(session.journal.entries)), (salvaged, 63)):
+            with any_reader(bag) as reader:
+                decoded = [reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages()]
+            assert len(decoded) == messages, bag
+    with AnyReader([in_process]) as reader:
+        assert sum(1 for _ in reader.messages()) == 1 + len(session.journal.entries)
+    with pytest.raises(AnyReaderError, match="Could not parse"):
+        with AnyReader([COMMITTED]):
+            pass
+
+
+def test_a_service_event_is_named_with_the_hash_ros_gives_it():
+    """The RIHS01 hash each topic's type carries is rosidl's, as the build's type descriptions
+    record it (the service events' included, whose request and response rosbags would file
+    under another name)."""
+    import json
+
+    from flashrt_ros.replay.types import type_hash, typestore
+
+    descriptions = PREFIX / "share" / "flashrt_ros"
+    if not descriptions.exists():
+        pytest.skip("needs the colcon install space (make test builds it)")
+    checked = set()
+    for path in [*descriptions.glob("srv/*.json"), *descriptions.glob("msg/*.json"), *descriptions.glob("action/*.json")]:
+        for entry in json.loads(path.read_text())["type_hashes"]:
+            if entry["type_name"] in typestore().types:   # the types a bag can hold, not a service as a whole
+                assert type_hash(entry["type_name"]) == entry["hash_string"], entry["type_name"]
+                checked.add(entry["type_name"])
+    services = {p.stem for p in descriptions.glob("srv/*.srv")}
+    assert {f"flashrt_ros/srv/{s}_Event" for s in services} <= checked
+    assert "service_msgs/msg/ServiceEventInfo" in checked and "flashrt_ros/msg/JournalEntry" in checked

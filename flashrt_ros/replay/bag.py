@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from rosbags.highlevel import AnyReader
+from rosbags.interfaces import MessageDefinition, MessageDefinitionFormat
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from ..errors import InvalidArgument
 from ..runtime.backends import cpu as cpu_backend
 from ..serving.journal import DECODE, DROP, FORK, KINDS, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, Journal
-from .types import deserialize, stored_name, typestore
+from .types import deserialize, schema_text, type_hash, typestore
 
 SESSION_TOPIC = "/flashrt/journal/session"
 ENTRY_TOPIC = "/flashrt/journal"
@@ -145,11 +147,15 @@ class BagWriter:
     """Appends journal entries to a new MCAP bag as they are recorded, and any other message
     handed to ``write_message``; ``close`` finishes it. ``clock``: nanoseconds for the stamps
     (the node passes its own clock, so that use_sim_time is honoured). ``session`` None: a bag
-    of other messages only, with no journal (``write_message``)."""
+    of other messages only, with no journal (``write_message``). ``flush_each``: every journal
+    entry, and every message before it, is in the file when the call that appends it returns, so
+    a recorder killed later loses none of them (``salvage`` reads such a bag); a bag written
+    whole at once does not need it."""
 
     def __init__(self, path: str | Path, session: dict[str, Any] | None,
-                 clock: Callable[[], int] | None = None) -> None:
+                 clock: Callable[[], int] | None = None, flush_each: bool = False) -> None:
         self.path = Path(path)
+        self._flush_each = flush_each
         self._clock = clock or (lambda: time.time_ns())
         self._writer: Writer | None = Writer(self.path, version=9, storage_plugin=StoragePlugin.MCAP)
         self._writer.open()
@@ -158,18 +164,19 @@ class BagWriter:
         if session is not None:
             now = self._clock()
             self._write(SESSION_TOPIC, SESSION_TYPE,
-                        typestore().serialize_cdr(session_message(session, now), SESSION_TYPE), now)
+                        typestore().serialize_cdr(session_message(session, now), SESSION_TYPE), now, flush=flush_each)
 
     def __call__(self, entry: Entry) -> None:
         now = self._clock()
-        self._write(ENTRY_TOPIC, ENTRY_TYPE, typestore().serialize_cdr(entry_message(entry, now), ENTRY_TYPE), now)
+        self._write(ENTRY_TOPIC, ENTRY_TYPE, typestore().serialize_cdr(entry_message(entry, now), ENTRY_TYPE), now,
+                    flush=self._flush_each)
 
     def write_message(self, topic: str, msgtype: str, cdr: bytes, stamp_ns: int | None = None) -> None:
         """A message already serialized (CDR) on ``topic``, of ``msgtype`` as ROS names it
         (``pkg/msg/Name``, ``pkg/srv/Name_Event``, ``pkg/action/Name_Goal``)."""
         self._write(topic, msgtype, cdr, self._clock() if stamp_ns is None else stamp_ns)
 
-    def _write(self, topic: str, msgtype: str, cdr: bytes, stamp_ns: int) -> None:
+    def _write(self, topic: str, msgtype: str, cdr: bytes, stamp_ns: int, flush: bool = False) -> None:
         with self._lock:
             if self._writer is None:
                 return
@@ -177,22 +184,32 @@ class BagWriter:
             if key not in self._connections:
                 self._connections[key] = self._connect(topic, msgtype)
             self._writer.write(self._connections[key], stamp_ns, cdr)
+            if flush:
+                _flush(self._writer)
 
     def _connect(self, topic: str, msgtype: str) -> Any:
-        store = typestore()
-        stored = stored_name(msgtype)
-        if stored not in store.types:
+        if msgtype not in typestore().types:
             raise ValueError(f"{msgtype} is not a known type")
-        # rosbags keeps a service's types under srv/msg/; a bag names them as ROS does.
-        text, _ = store.generate_msgdef(stored)
-        return self._writer.add_connection(topic, msgtype, msgdef=text.replace("/srv/msg/", "/srv/"),
-                                           rihs01=store.hash_rihs01(stored))
+        return self._writer.add_connection(topic, msgtype, msgdef=schema_text(msgtype), rihs01=type_hash(msgtype))
 
     def close(self) -> None:
         with self._lock:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+
+
+def _flush(writer: Writer) -> None:
+    """Write out the chunk rosbags' MCAP writer holds in memory (it does so only past 1 MiB, or
+    at close), and its file buffer. rosbags 0.11.9 (pinned) has no public call for it: this
+    uses its storage plugin's own ``close_chunk``, which ``close`` calls too; a chunk per
+    committed operation costs its index records, some 100 bytes, and the file is in the
+    operating system's hands (written, not fsynced: a crash of the process loses nothing, a
+    power cut may)."""
+    storage = writer.storage
+    if storage.chunk.bio.tell():
+        storage.close_chunk()
+    storage.bio.flush()
 
 
 def write_bag(path: str | Path, journal: Journal) -> Path:
@@ -216,6 +233,26 @@ def messages(path: str | Path, reader: Reader, connections: list) -> Iterator[tu
             raise InvalidArgument(f"{path}: message {index} on {connection.topic} is not a "
                                   f"{connection.msgtype}: {exc}") from None
         yield connection, msg, raw
+
+
+class _TypesFromStore(Reader):
+    """A bag's reader whose connections carry no definition, so that AnyReader takes every type
+    from its ``default_typestore``."""
+
+    def open(self) -> None:
+        super().open()
+        self.connections[:] = [c._replace(msgdef=MessageDefinition(MessageDefinitionFormat.NONE, ""))
+                               for c in self.connections]
+
+
+def any_reader(path: str | Path) -> AnyReader:
+    """rosbags' AnyReader over a bag of this package, deserializing with ``typestore()`` (Jazzy's
+    types and this package's). AnyReader builds its types from the definitions a bag stores,
+    and rosbags 0.11.9 cannot parse the one rosbag2 stores for a service event (a ``SRV:``
+    section, in rosbag2's own bags too), so it would refuse every bag with service events."""
+    reader = AnyReader([Path(path)], default_typestore=typestore())
+    reader.readers = [_TypesFromStore(Path(path))]
+    return reader
 
 
 def is_journal_bag(path: str | Path) -> bool:

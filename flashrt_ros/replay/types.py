@@ -2,12 +2,18 @@
 (no ROS imports): bags are written and read with the real types, as rosbag2 would store them.
 
 Each service Foo gives Foo_Request, Foo_Response and, as Jazzy's service introspection
-publishes it on ``<service>/_service_event``, Foo_Event; the Generate action gives
-Generate_Goal, Generate_Result and Generate_Feedback.
+publishes it on ``<service>/_service_event``, Foo_Event, all under ROS's names
+(``pkg/srv/Foo_Event``, where rosbags' own parser would file them under ``pkg/srv/msg/``); the
+Generate action gives Generate_Goal, Generate_Result and Generate_Feedback.
+
+A bag names each topic's type with its definition and its RIHS01 hash as rosbag2 on Jazzy
+writes them (``schema_text``, ``type_hash``): for a service event that is the service's own
+file, which rosbags' high-level reader cannot parse (docs/ros.md says how to read such a bag).
 """
 from __future__ import annotations
 
 import functools
+import os
 import re
 import struct
 from pathlib import Path
@@ -61,19 +67,105 @@ def event_definition(service: str) -> str:
 
 @functools.cache
 def typestore() -> Typestore:
-    """Jazzy's standard types plus this package's."""
+    """Jazzy's standard types plus this package's, every one under the name ROS gives it."""
     store = get_typestore(Stores.ROS2_JAZZY)
+    # rosidl reads a .msg ``char`` as uint8; rosbags' Jazzy store keeps char, which gives
+    # ServiceEventInfo (and every service event) another type hash than ROS's.
+    consts, fields = store.fielddefs[_EVENT_INFO]
+    store.fielddefs[_EVENT_INFO] = (consts, [(name, _char_as_uint8(desc)) for name, desc in fields])
     types: dict = {}
     for name, text in definitions(interface_dir()).items():
         types.update(get_types_from_msg(text, name))
-    store.register(types)
+    store.register({_ros_name(name): (consts, [(field, _renamed(desc)) for field, desc in fields])
+                    for name, (consts, fields) in types.items()})
     return store
 
 
-def stored_name(msgtype: str) -> str:
-    """The name rosbags keeps a type under: a service's types under ``pkg/srv/msg/``, not ROS's ``pkg/srv/``."""
+_EVENT_INFO = "service_msgs/msg/ServiceEventInfo"
+
+
+def _ros_name(name: str) -> str:
+    """``pkg/srv/msg/Foo_Request`` (where rosbags' parser files a service's types) as ROS names it."""
+    return name.replace("/srv/msg/", "/srv/")
+
+
+def _renamed(desc: Any) -> Any:
+    """A field's type with every nested type under its ROS name."""
+    kind, args = desc
+    if isinstance(args, str):
+        return kind, _ros_name(args)
+    if isinstance(args, tuple) and len(args) == 2 and isinstance(args[0], tuple):
+        return kind, (_renamed(args[0]), args[1])
+    return desc
+
+
+def _char_as_uint8(desc: Any) -> Any:
+    kind, args = desc
+    if args == ("char", 0):
+        return kind, ("uint8", 0)
+    if isinstance(args, tuple) and len(args) == 2 and isinstance(args[0], tuple):
+        return kind, (_char_as_uint8(args[0]), args[1])
+    return desc
+
+
+def type_hash(msgtype: str) -> str:
+    """The RIHS01 hash ROS gives ``msgtype`` (rosidl's type description hash)."""
+    return typestore().hash_rihs01(msgtype)
+
+
+_RULE = "=" * 80 + "\n"
+_PRIMITIVES = frozenset(("bool", "byte", "char", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
+                         "uint32", "int64", "uint64", "string", "wstring"))
+_FIELD_TYPE = re.compile(r"(?:^|\n)\s*([a-zA-Z0-9_/]+)(?:\[[^\]]*\])?\s+")
+
+
+def schema_text(msgtype: str) -> str:
+    """The definition a bag stores for ``msgtype``, as rosbag2 on Jazzy writes it. A service
+    event's is its service's: ``SRV: pkg/srv/Foo`` and the .srv file as it is, then each message
+    type it uses, depth first and once each, as ``MSG: pkg/Type`` and that .msg file."""
     package, kind, name = msgtype.split("/")
-    return f"{package}/srv/msg/{name}" if kind == "srv" else msgtype
+    if kind != "srv" or not name.endswith("_Event"):
+        text, _ = typestore().generate_msgdef(msgtype)
+        return text
+    service = f"{package}/srv/{name[:-len('_Event')]}"
+    text = (interface_dir() / "srv" / f"{service.split('/')[2]}.srv").read_text()
+    seen: set[str] = set()
+
+    def append(text: str, context: str) -> str:
+        out = ""
+        for dep in sorted(_dependencies(text, context)):
+            if dep not in seen:
+                seen.add(dep)
+                dep_package = dep.split("/")[0]
+                out += "\n" + _RULE + f"MSG: {dep}\n" + (own := _msg_file(dep)) + append(own, dep_package)
+        return out
+
+    return _RULE + f"SRV: {service}\n" + text + append(text, package)
+
+
+def _dependencies(text: str, package: str) -> set[str]:
+    """The message types a .msg or .srv file uses, as rosbag2 names them: as the file spells
+    them, a bare name with the file's package before it (``pkg/Type``)."""
+    found = set()
+    for match in _FIELD_TYPE.finditer(text):
+        kind = match.group(1)
+        if kind not in _PRIMITIVES:
+            found.add(kind if "/" in kind else f"{package}/{kind}")
+    return found
+
+
+def _msg_file(dep: str) -> str:
+    """The .msg file of ``pkg/Type``: this package's, or another's from an installed ROS
+    (AMENT_PREFIX_PATH); without one, rosbags' text of the same fields."""
+    package, name = dep.split("/")[0], dep.split("/")[-1]
+    if package == PACKAGE:
+        return (interface_dir() / "msg" / f"{name}.msg").read_text()
+    for prefix in filter(None, os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep)):
+        path = Path(prefix) / "share" / package / "msg" / f"{name}.msg"
+        if path.is_file():
+            return path.read_text()
+    text, _ = typestore().generate_msgdef(f"{package}/msg/{name}")
+    return text.split("\n" + _RULE)[0]
 
 
 def deserialize(raw: bytes | memoryview, typename: str) -> Any:
@@ -93,7 +185,7 @@ def canonical(serialized: bytes | memoryview, typename: str) -> bytes:
     (a JointTrajectoryPoint with three empty arrays ends with 12 such bytes): written as they
     are, a bag would hold bytes that differ per run and that rosbags refuses to read."""
     message, _ = _parse(serialized, typename)
-    return bytes(typestore().serialize_cdr(message, stored_name(typename)))
+    return bytes(typestore().serialize_cdr(message, typename))
 
 
 def _parse(raw: bytes | memoryview, typename: str) -> tuple[Any, int]:
@@ -102,7 +194,7 @@ def _parse(raw: bytes | memoryview, typename: str) -> tuple[Any, int]:
     data = bytes(raw)
     if len(data) < 4 or data[:2] not in (b"\x00\x00", b"\x00\x01"):
         raise SerdeError(f"invalid or unsupported CDR encapsulation for {typename!r}")
-    msgdef = store.get_msgdef(stored_name(typename))
+    msgdef = store.get_msgdef(typename)
     func = msgdef.deserialize_cdr_le if data[1] else msgdef.deserialize_cdr_be
     try:
         message, pos = func(data[4:], 0, msgdef.cls, store)
