@@ -26,7 +26,7 @@ IMPORTS = {
     "py_trees": "py_trees", "numpy": "python3-numpy", "transforms3d": "python3-transforms3d",
     "matplotlib": "python3-matplotlib", "tqdm": "python3-tqdm", "rosbags": "python3-rosbags-pip",
     "transformers": "python3-transformers-pip",   # the bench's reference and make train-policy's; a test dependency
-    "torch": None, "safetensors": None, "tokenizers": None, "blake3": None,
+    "torch": None, "safetensors": None, "tokenizers": None, "blake3": None, "mcap": None,
 }
 
 

@@ -44,6 +44,7 @@ from ..errors import InvalidArgument
 from ..serving.journal import Journal
 from .journal import JOURNAL_OUTPUTS, check_entries, judge
 from .recording import RECORDED_OUTPUTS, Recording, find_session, read_recording
+from .salvage import complete_bag
 from .session import engine_for, platform_differences, platform_of
 from .verdicts import DIFFERS, Tolerance, Verdicts
 
@@ -140,13 +141,18 @@ def parser(prog: str = "flashrt-replay", description: str | None = __doc__,
 def read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str]:
     """The journal of a journal bag, or of a rosbag2 recording of the node's topics (with the
     session record from ``session_bag`` if the recording lacks one), what its entries hold, and
-    what the bag is, in words."""
-    if is_journal_bag(bag):
-        return read_bag(bag), JOURNAL_OUTPUTS, "a journal bag"
-    recording = read_recorded(bag, session_bag)
+    what the bag is, in words. A bag its recorder left unfinished (killed) is read up to its last
+    complete message, and said so on stderr."""
+    with complete_bag(bag) as (path, salvaged):
+        if salvaged is not None:
+            print(f"flashrt-replay: {bag}: {salvaged.describe()}", file=sys.stderr)
+        ends = f"; {salvaged.describe()}" if salvaged is not None else ""
+        if is_journal_bag(path):
+            return read_bag(path), JOURNAL_OUTPUTS, "a journal bag" + ends
+        recording = read_recorded(str(path), session_bag)
     words = (f"a rosbag2 recording of node {recording.journal.session['node']} ({recording.dropped_observations} "
              f"observations with no action and {recording.skipped_calls} calls that reached no engine left out"
-             + "".join(f"; {note}" for note in recording.notes) + "; no state digests recorded)")
+             + "".join(f"; {note}" for note in recording.notes) + f"; no state digests recorded{ends})")
     return recording.journal, RECORDED_OUTPUTS, words
 
 

@@ -23,6 +23,7 @@ from ..replay.bag import is_journal_bag, read_bag
 from ..replay.cli import parser, print_verdicts, read_recorded, write_report
 from ..replay.journal import check_entries, judge_on
 from ..replay.recording import RECORDED_OUTPUTS
+from ..replay.salvage import complete_bag
 from ..replay.session import platform_differences, platform_in
 from ..replay.verdicts import Tolerance
 from ..serving.journal import STEP
@@ -37,12 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         tolerance = Tolerance(args.margin_tol, args.action_atol, args.action_rtol)
         if args.timeout <= 0 or args.settle_ms < 0:
             raise InvalidArgument("--timeout must be > 0 and --settle-ms >= 0")
-        if is_journal_bag(args.bag):
-            unplayed = sorted({e.kind for e in read_bag(args.bag).entries} - _PLAYED)
-            if unplayed:
-                raise InvalidArgument(f"the journal holds {', '.join(unplayed)} operations, which a live replay "
-                                      "does not play: replay it in-process (without --live)")
-        recording = read_recorded(args.bag, args.session)
+        with complete_bag(args.bag) as (bag, salvaged):
+            if salvaged is not None:
+                print(f"flashrt-replay --live: {args.bag}: {salvaged.describe()}", file=sys.stderr)
+            if is_journal_bag(bag):
+                unplayed = sorted({e.kind for e in read_bag(bag).entries} - _PLAYED)
+                if unplayed:
+                    raise InvalidArgument(f"the journal holds {', '.join(unplayed)} operations, which a live replay "
+                                          "does not play: replay it in-process (without --live)")
+            recording = read_recorded(str(bag), args.session)
         journal = recording.journal
         check_entries(journal.entries, RECORDED_OUTPUTS)
     except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read

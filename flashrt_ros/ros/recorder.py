@@ -40,7 +40,8 @@ class Recorder:
 
     def __init__(self, path: Path, session: dict[str, Any], node: Node) -> None:
         self._node = node
-        self.bag = BagWriter(path, session, clock=lambda: node.get_clock().now().nanoseconds)
+        self.bag = BagWriter(path, session, clock=lambda: node.get_clock().now().nanoseconds,
+                             flush_each=True)
         self._sequence = itertools.count(1)
         self._warned = threading.Event()
 

@@ -1,0 +1,131 @@
+"""A journal bag its recorder never closed (the node killed, the file cut short) replays up to its
+last complete message, and says that the recording ends early."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rosbags")
+
+from flashrt_ros.replay.bag import any_reader, read_bag  # noqa: E402
+from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
+from flashrt_ros.replay.salvage import complete_bag, unfinished  # noqa: E402
+from install_space import EXECUTABLES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "data" / "bags" / "attempt_with_rollback"
+EXECUTABLE = EXECUTABLES / "flashrt_node"
+
+
+def _verdicts(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(("exact:", "portable:", "verdict applied:"))]
+
+
+def test_a_bag_that_lost_its_footer_replays_every_operation_as_the_whole_bag_does(tmp_path, capsys):
+    cut = tmp_path / "cut"
+    shutil.copytree(COMMITTED, cut)
+    (mcap,) = cut.glob("*.mcap")
+    mcap.write_bytes(mcap.read_bytes()[:-64])
+    assert unfinished(cut) == "its MCAP file has no footer" and unfinished(COMMITTED) == ""
+    whole = replay_main([str(COMMITTED)])
+    whole_out = capsys.readouterr().out
+    assert replay_main([str(cut)]) == whole == 0   # the verdict this machine applies (exact or portable) passes
+    out, err = capsys.readouterr()
+    assert "the recording ends early" in err
+    assert _verdicts(out) == _verdicts(whole_out) and len(_verdicts(out)) == 3
+    assert f"replaying {len(read_bag(COMMITTED).entries)} operations" in out
+    assert mcap.stat().st_size == (next(COMMITTED.glob("*.mcap")).stat().st_size - 64)   # the folder is not changed
+
+
+def test_a_bag_without_metadata_or_with_nothing_complete_is_named(tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(COMMITTED, bare)
+    (bare / "metadata.yaml").unlink()
+    assert replay_main([str(bare)]) == 0
+    assert "no metadata.yaml" in capsys.readouterr().err
+    (mcap,) = bare.glob("*.mcap")
+    mcap.write_bytes(mcap.read_bytes()[:200])   # the header and the first schemas only
+    assert replay_main([str(bare)]) == 2
+    assert "no complete message is left" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not EXECUTABLE.exists(), reason="needs the colcon install space (make test builds it)")
+def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("rclpy")
+    import rclpy
+    from rclpy.action import ActionClient
+    from rclpy.context import Context
+    from rclpy.executors import SingleThreadedExecutor
+
+    from flashrt_ros.action import Generate
+    from flashrt_ros.errors import ErrorCode
+    from ros_harness import SERVICES, wait_future
+
+    monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    journal = tmp_path / "journal"
+    log = open(tmp_path / "node.log", "w+")
+    proc = subprocess.Popen(
+        [str(EXECUTABLE), "--ros-args", "--params-file", str(ROOT / "config" / "flashrt.yaml"),
+         "-p", "autostart:=true", "-p", "max_seq_len:=256", "-p", f"journal_path:={journal}"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    context = Context()
+    rclpy.init(context=context)
+    client = rclpy.create_node("flashrt_crash_test", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(client)
+    clients = {k: client.create_client(SERVICES[k], f"/flashrt/{k}") for k in ("snapshot", "rollback")}
+    actions = ActionClient(client, Generate, "/flashrt/generate")
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+
+    def call(service, **fields):
+        deadline = time.monotonic() + 60
+        while True:   # autostart: the services exist before activation ends
+            response = wait_future(clients[service].call_async(SERVICES[service].Request(**fields)), 60)
+            if response.error_code != ErrorCode.NOT_ACTIVE or time.monotonic() > deadline:
+                return response
+            time.sleep(0.2)
+
+    def generate(prompt):
+        handle = wait_future(actions.send_goal_async(Generate.Goal(prompt=prompt, max_new_tokens=6)), 60)
+        return wait_future(handle.get_result_async(), 60).result
+
+    try:
+        for c in clients.values():
+            assert c.wait_for_service(timeout_sec=90), "node process did not come up"
+        assert call("snapshot", name="before").success   # also waits for activation
+        assert actions.wait_for_server(timeout_sec=30)
+        first = generate("the arm reached")
+        assert first.success, first.message
+        assert call("snapshot", name="mid").success
+        assert call("rollback", steps=2, to_position=-1).success
+        second = generate(" and then")
+        assert second.success, second.message
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=15)
+        executor.shutdown()
+        client.destroy_node()
+        context.try_shutdown()
+    (bag,) = journal.glob("session-*")
+    assert unfinished(bag) == "no metadata.yaml"
+    assert replay_main([str(bag)]) == 0
+    out, err = capsys.readouterr()
+    assert "the recording ends early (no metadata.yaml)" in err
+    assert "exact:    identical" in out and "verdict applied: exact" in out
+    # Every operation the node committed before the kill is in the bag: two snapshots, a
+    # rollback, and two goals of a prompt and six tokens each.
+    judged = int(out.split("replaying ")[1].split(" operations")[0])
+    assert judged == 2 + 1 + 2 * (1 + 6)
+    with complete_bag(bag) as (whole, _):   # and other tools read what was kept, service events included
+        with any_reader(whole) as reader:
+            types = {c.msgtype for c in reader.connections}
+            assert all(reader.deserialize(raw, c.msgtype) is not None for c, _, raw in reader.messages())
+    assert "flashrt_ros/srv/Snapshot_Event" in types
