@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -56,8 +57,47 @@ def test_a_bag_without_metadata_or_with_nothing_complete_is_named(tmp_path, caps
     assert "no complete message is left" in capsys.readouterr().err
 
 
+def test_a_bag_cut_anywhere_keeps_every_operation_written_in_full_before_the_cut(tmp_path):
+    """A journal written as the node writes it (a chunk per operation), cut at many points: what
+    is kept only grows as the cut moves later, and a cut never turns into an error past the
+    first whole chunk."""
+    from flashrt_ros.errors import InvalidArgument
+    from flashrt_ros.replay import Journal
+    from flashrt_ros.replay.bag import BagWriter
+    from flashrt_ros.replay.salvage import salvage
+    from flashrt_ros.replay.session import session_of
+    from flashrt_ros.runtime import Engine, ModelConfig
+    from flashrt_ros.serving.session import Session
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    journal = Journal(session=session_of(engine, "", 0))
+    session = Session(engine, journal)
+    writer = BagWriter(tmp_path / "whole", journal.session, flush_each=True)
+    journal.listeners.append(writer)
+    list(session.generate([256, 5, 9], 4))
+    session.snapshot(name="s")
+    session.rollback(steps=1)
+    engine.close()
+    (mcap,) = (tmp_path / "whole").glob("*.mcap")
+    data = mcap.read_bytes()   # the writer is not closed: no summary, no footer, as after a kill
+    total = 1 + len(journal.entries)
+    kept = []
+    for n, end in enumerate(range(0, len(data) + 1, 23)):
+        cut = tmp_path / f"cut{n}"
+        cut.mkdir()
+        (cut / "cut.mcap").write_bytes(data[:end])
+        try:
+            done = salvage(cut, tmp_path / f"out{n}", "test")
+            kept.append(done.messages)
+            assert 0 <= done.dropped_bytes < end
+        except InvalidArgument:
+            assert not kept, f"nothing kept at {end} bytes after {kept[-1]} messages at fewer"
+    assert kept == sorted(kept) and kept[-1] == total and len(set(kept)) > 5
+    writer.close()
+
+
 @pytest.mark.skipif(not EXECUTABLE.exists(), reason="needs the colcon install space (make test builds it)")
-def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeypatch, tmp_path, capsys):
+def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeypatch, tmp_path):
     pytest.importorskip("rclpy")
     import rclpy
     from rclpy.action import ActionClient
@@ -116,10 +156,13 @@ def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeyp
         context.try_shutdown()
     (bag,) = journal.glob("session-*")
     assert unfinished(bag) == "no metadata.yaml"
-    assert replay_main([str(bag)]) == 0
-    out, err = capsys.readouterr()
+    # In a process of its own, as a user runs it: it starts at the kernels the node recorded.
+    done = subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", str(bag)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, out + err
     assert "the recording ends early (no metadata.yaml)" in err
-    assert "exact:    identical" in out and "verdict applied: exact" in out
+    assert "exact:    identical" in out and "verdict applied: exact" in out, out + err
     # Every operation the node committed before the kill is in the bag: two snapshots, a
     # rollback, and two goals of a prompt and six tokens each.
     judged = int(out.split("replaying ")[1].split(" operations")[0])

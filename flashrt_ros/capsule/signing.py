@@ -54,22 +54,17 @@ def load_key(path: str | os.PathLike) -> bytes:
     followed, since mounted secrets are commonly links to the file that holds the key."""
     name = os.fspath(path)
     try:
-        fd = os.open(Path(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(Path(path), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
         raise InvalidCapsuleRequest(f"capsule key file {name!r}: {exc.strerror or exc}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidCapsuleRequest(f"capsule key file {name!r} is not a regular file")
-        key = b""
-        while len(key) <= MAX_KEY_BYTES + 1:   # one byte past the limit is enough to refuse it
-            part = os.read(fd, MAX_KEY_BYTES + 2 - len(key))
-            if not part:
-                break
-            key += part
-    except OSError as exc:
-        raise InvalidCapsuleRequest(f"capsule key file {name!r}: {exc.strerror or exc}") from None
-    finally:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
+        raise InvalidCapsuleRequest(f"capsule key file {name!r} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            key = f.read(MAX_KEY_BYTES + 2)   # the longest key, its newline, and a byte that refuses it
+        except OSError as exc:
+            raise InvalidCapsuleRequest(f"capsule key file {name!r}: {exc.strerror or exc}") from None
     key = key[:-1] if key.endswith(b"\n") else key
     if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
         raise InvalidCapsuleRequest(f"capsule key file {name!r} holds {len(key)} bytes; a key is "

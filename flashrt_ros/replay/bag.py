@@ -202,10 +202,11 @@ class BagWriter:
 def _flush(writer: Writer) -> None:
     """Write out the chunk rosbags' MCAP writer holds in memory (it does so only past 1 MiB, or
     at close), and its file buffer. rosbags 0.11.9 (pinned) has no public call for it: this
-    uses its storage plugin's own ``close_chunk``, which ``close`` calls too; a chunk per
-    committed operation costs its index records, some 100 bytes, and the file is in the
-    operating system's hands (written, not fsynced: a crash of the process loses nothing, a
-    power cut may)."""
+    uses its storage plugin's own ``close_chunk``, which ``close`` calls too. A chunk per
+    committed operation adds its index records to the file and to what the writer holds until
+    it closes, a few hundred bytes, about what the session's journal keeps of each entry in
+    memory anyway. The bytes are then the operating system's (written, not fsynced): a crash
+    of the process loses none of them, a power cut may."""
     storage = writer.storage
     if storage.chunk.bio.tell():
         storage.close_chunk()

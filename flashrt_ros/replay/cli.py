@@ -146,13 +146,12 @@ def read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str]:
     with complete_bag(bag) as (path, salvaged):
         if salvaged is not None:
             print(f"flashrt-replay: {bag}: {salvaged.describe()}", file=sys.stderr)
-        ends = f"; {salvaged.describe()}" if salvaged is not None else ""
         if is_journal_bag(path):
-            return read_bag(path), JOURNAL_OUTPUTS, "a journal bag" + ends
+            return read_bag(path), JOURNAL_OUTPUTS, "a journal bag"
         recording = read_recorded(str(path), session_bag)
     words = (f"a rosbag2 recording of node {recording.journal.session['node']} ({recording.dropped_observations} "
              f"observations with no action and {recording.skipped_calls} calls that reached no engine left out"
-             + "".join(f"; {note}" for note in recording.notes) + f"; no state digests recorded{ends})")
+             + "".join(f"; {note}" for note in recording.notes) + "; no state digests recorded)")
     return recording.journal, RECORDED_OUTPUTS, words
 
 
@@ -160,7 +159,8 @@ def read_recorded(bag: str, session_bag: str | None) -> Recording:
     """The recording in ``bag``, its session record taken from ``session_bag`` when it lacks one."""
     session = None
     if session_bag:
-        session = find_session(session_bag)
+        with complete_bag(session_bag) as (path, _):
+            session = find_session(path)
         if session is None:
             raise InvalidArgument(f"--session {session_bag}: no flashrt_ros/msg/JournalSession in it")
     return read_recording(bag, session)

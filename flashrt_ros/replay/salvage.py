@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from mcap.exceptions import McapError
 from mcap.records import Channel, DataEnd, Footer, Message, Schema
 from mcap.stream_reader import StreamReader
 from rosbags.rosbag2 import StoragePlugin, Writer
@@ -28,18 +27,21 @@ MAGIC = b"\x89MCAP0\r\n"
 
 @dataclass(frozen=True)
 class Salvaged:
-    """What was kept of an unfinished bag: ``messages`` complete ones, the last logged at
-    ``last_log_time_ns``; ``dropped_bytes`` after the last complete record were not usable."""
+    """What was kept of an unfinished bag: ``messages`` complete ones over ``span_ns`` of log
+    time; ``dropped_bytes`` of its data after the last complete record were not whole;
+    ``skipped``: topics of types this package does not know, left out."""
     path: Path
     messages: int
-    last_log_time_ns: int
+    span_ns: int
     dropped_bytes: int
     why: str
+    skipped: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return (f"the recording ends early ({self.why}): read up to its last complete message, {self.messages} "
-                f"messages, the last logged at {self.last_log_time_ns / 1e9:.3f} s"
-                + (f"; {self.dropped_bytes} bytes after it were incomplete and left out" if self.dropped_bytes else ""))
+                f"messages over {self.span_ns / 1e9:.3f} s"
+                + (f"; {self.dropped_bytes} bytes after it were not whole and are left out" if self.dropped_bytes else "")
+                + (f"; topics of unknown types left out: {', '.join(self.skipped)}" if self.skipped else ""))
 
 
 def unfinished(bag: Path) -> str:
@@ -63,31 +65,39 @@ def unfinished(bag: Path) -> str:
 def complete_bag(bag: str | Path) -> Iterator[tuple[Path, Salvaged | None]]:
     """The bag to read: ``bag`` itself when its writer closed it, else a copy (in a temporary
     folder that lives as long as the context) of every complete message it holds, with what
-    was kept. InvalidArgument when nothing complete is left."""
+    was kept. InvalidArgument when nothing complete is left; one raised while the copy is read
+    names ``bag``, not the copy."""
     bag = Path(bag)
     why = unfinished(bag)
     if not why:
         yield bag, None
         return
     with tempfile.TemporaryDirectory(prefix="flashrt-salvaged-") as folder:
-        salvaged = salvage(bag, Path(folder) / bag.name, why)
-        yield salvaged.path, salvaged
+        copy = Path(folder) / bag.name
+        salvaged = salvage(bag, copy, why)
+        try:
+            yield copy, salvaged
+        except InvalidArgument as exc:
+            raise InvalidArgument(str(exc).replace(str(copy), str(bag))) from None
 
 
 def salvage(bag: Path, into: Path, why: str) -> Salvaged:
     """Every message of ``bag``'s MCAP file up to its last complete record, written into a new
-    bag at ``into``."""
+    bag at ``into`` as it is read."""
     (source,) = sorted(bag.glob("*.mcap"))
     schemas: dict[int, Schema] = {}
     channels: dict[int, Channel] = {}
-    kept: list[Message] = []
+    connections: dict[int, object] = {}
+    skipped: set[str] = set()
+    count, first, last = 0, None, 0
     size = source.stat().st_size
-    complete = 0   # bytes of the file read as whole records
-    with source.open("rb") as f:
-        reader = StreamReader(f, validate_crcs=True, record_size_limit=size)
-        try:
-            for record in reader.records:
-                if isinstance(record, (DataEnd, Footer)):
+    complete = 0   # bytes of the data section read as whole records
+    writer = Writer(into, version=9, storage_plugin=StoragePlugin.MCAP)
+    writer.open()
+    try:
+        with source.open("rb") as f:
+            for record in _whole_records(StreamReader(f, validate_crcs=True, record_size_limit=size)):
+                if isinstance(record, (DataEnd, Footer)):   # the data section is whole
                     complete = size
                     break
                 if isinstance(record, Schema):
@@ -95,32 +105,45 @@ def salvage(bag: Path, into: Path, why: str) -> Salvaged:
                 elif isinstance(record, Channel):
                     channels[record.id] = record
                 elif isinstance(record, Message):
-                    kept.append(record)
+                    if record.channel_id not in connections:
+                        connections[record.channel_id] = _connect(writer, channels, schemas, record.channel_id,
+                                                                  bag, skipped)
+                    if connections[record.channel_id] is not None:
+                        writer.write(connections[record.channel_id], record.log_time, record.data)
+                        count += 1
+                        first = record.log_time if first is None else min(first, record.log_time)
+                        last = max(last, record.log_time)
                 complete = f.tell()
-        except (McapError, ValueError, EOFError):   # a cut record: what came before it stands
-            pass
-    if not kept:
-        raise InvalidArgument(f"{bag}: {why}, and no complete message is left in {source.name}")
-    writer = Writer(into, version=9, storage_plugin=StoragePlugin.MCAP)
-    writer.open()
-    try:
-        connections = {}
-        for message in kept:
-            if message.channel_id not in connections:
-                connections[message.channel_id] = _connect(writer, channels, schemas, message.channel_id, bag)
-            writer.write(connections[message.channel_id], message.log_time, message.data)
     finally:
         writer.close()
-    return Salvaged(into, len(kept), max(m.log_time for m in kept), size - complete, why)
+    if not count:
+        raise InvalidArgument(f"{bag}: {why}, and no complete message is left in {source.name}")
+    return Salvaged(into, count, last - first, size - complete, why, tuple(sorted(skipped)))
+
+
+def _whole_records(reader: StreamReader) -> Iterator[object]:
+    """The records ``reader`` parses, up to the first that does not: where the file was cut (mcap
+    raises EndOfFile, struct.error or a decompressor's own error there, so any error ends it)."""
+    records = reader.records
+    while True:
+        try:
+            yield next(records)
+        except StopIteration:
+            return
+        except Exception:   # noqa: BLE001: see the docstring
+            return
 
 
 def _connect(writer: Writer, channels: dict[int, Channel], schemas: dict[int, Schema], channel_id: int,
-             bag: Path):
+             bag: Path, skipped: set[str]):
+    """The new bag's connection for a channel, None (its topic named in ``skipped``) for a type
+    this package does not know."""
     channel = channels.get(channel_id)
     schema = schemas.get(channel.schema_id) if channel is not None else None
     if channel is None or schema is None:
         raise InvalidArgument(f"{bag}: a message on channel {channel_id}, whose channel or schema was not recorded")
     if schema.name not in typestore().types:
-        raise InvalidArgument(f"{bag}: topic {channel.topic} holds {schema.name}, a type this package does not know")
+        skipped.add(channel.topic)
+        return None
     return writer.add_connection(channel.topic, schema.name, msgdef=schema.data.decode(),
                                  rihs01=type_hash(schema.name), serialization_format=channel.message_encoding)

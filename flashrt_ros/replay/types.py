@@ -7,13 +7,13 @@ publishes it on ``<service>/_service_event``, Foo_Event, all under ROS's names
 Generate action gives Generate_Goal, Generate_Result and Generate_Feedback.
 
 A bag names each topic's type with its definition and its RIHS01 hash as rosbag2 on Jazzy
-writes them (``schema_text``, ``type_hash``): for a service event that is the service's own
-file, which rosbags' high-level reader cannot parse (docs/ros.md says how to read such a bag).
+writes them (``schema_text``, ``type_hash``): the .msg files as they are, and for a service
+event the service's own file, which rosbags' high-level reader cannot parse (docs/ros.md says
+how to read such a bag).
 """
 from __future__ import annotations
 
 import functools
-import os
 import re
 import struct
 from pathlib import Path
@@ -23,7 +23,7 @@ from rosbags.serde import SerdeError
 from rosbags.typesys import Stores, get_typestore, get_types_from_msg
 from rosbags.typesys.store import Typestore
 
-from ..resources import PACKAGE, package_file
+from ..resources import PACKAGE, package_file, share_file
 
 _PARTS = {"srv": ("Request", "Response"), "action": ("Goal", "Result", "Feedback")}
 
@@ -115,32 +115,36 @@ def type_hash(msgtype: str) -> str:
 
 _RULE = "=" * 80 + "\n"
 _PRIMITIVES = frozenset(("bool", "byte", "char", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
-                         "uint32", "int64", "uint64", "string", "wstring"))
+                         "uint32", "int64", "uint64", "string"))   # rosbag2's list
 _FIELD_TYPE = re.compile(r"(?:^|\n)\s*([a-zA-Z0-9_/]+)(?:\[[^\]]*\])?\s+")
 
 
 def schema_text(msgtype: str) -> str:
-    """The definition a bag stores for ``msgtype``, as rosbag2 on Jazzy writes it. A service
-    event's is its service's: ``SRV: pkg/srv/Foo`` and the .srv file as it is, then each message
-    type it uses, depth first and once each, as ``MSG: pkg/Type`` and that .msg file."""
+    """The definition a bag stores for ``msgtype``, as rosbag2 on Jazzy writes it: the type's
+    .msg file as it is, then each message type it uses, depth first and once each, as
+    ``MSG: pkg/Type`` and that type's file. A service event's is its service's: ``SRV:
+    pkg/srv/Foo`` and the .srv file, then the same. An action's parts (which rosbag2 finds no
+    file for) get rosbags' text of their fields."""
     package, kind, name = msgtype.split("/")
-    if kind != "srv" or not name.endswith("_Event"):
-        text, _ = typestore().generate_msgdef(msgtype)
-        return text
-    service = f"{package}/srv/{name[:-len('_Event')]}"
-    text = (interface_dir() / "srv" / f"{service.split('/')[2]}.srv").read_text()
+    if kind == "msg":
+        head, text = "", _msg_file(msgtype)
+    elif kind == "srv" and name.endswith("_Event") and package == PACKAGE:
+        service = name[:-len("_Event")]
+        head, text = _RULE + f"SRV: {package}/srv/{service}\n", (interface_dir() / "srv" / f"{service}.srv").read_text()
+    else:
+        return typestore().generate_msgdef(msgtype, ros_version=2)[0]
     seen: set[str] = set()
 
-    def append(text: str, context: str) -> str:
+    def uses(text: str, context: str) -> str:
         out = ""
         for dep in sorted(_dependencies(text, context)):
             if dep not in seen:
                 seen.add(dep)
-                dep_package = dep.split("/")[0]
-                out += "\n" + _RULE + f"MSG: {dep}\n" + (own := _msg_file(dep)) + append(own, dep_package)
+                own = _msg_file(dep)
+                out += "\n" + _RULE + f"MSG: {dep}\n" + own + uses(own, dep.split("/")[0])
         return out
 
-    return _RULE + f"SRV: {service}\n" + text + append(text, package)
+    return head + text + uses(text, package)
 
 
 def _dependencies(text: str, package: str) -> set[str]:
@@ -154,17 +158,14 @@ def _dependencies(text: str, package: str) -> set[str]:
     return found
 
 
-def _msg_file(dep: str) -> str:
-    """The .msg file of ``pkg/Type``: this package's, or another's from an installed ROS
-    (AMENT_PREFIX_PATH); without one, rosbags' text of the same fields."""
-    package, name = dep.split("/")[0], dep.split("/")[-1]
-    if package == PACKAGE:
-        return (interface_dir() / "msg" / f"{name}.msg").read_text()
-    for prefix in filter(None, os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep)):
-        path = Path(prefix) / "share" / package / "msg" / f"{name}.msg"
-        if path.is_file():
-            return path.read_text()
-    text, _ = typestore().generate_msgdef(f"{package}/msg/{name}")
+def _msg_file(msgtype: str) -> str:
+    """The .msg file of ``pkg/Type`` or ``pkg/msg/Type``: this package's, or another's from an
+    installed ROS (AMENT_PREFIX_PATH); without one, rosbags' text of the same fields."""
+    package, name = msgtype.split("/")[0], msgtype.split("/")[-1]
+    path = interface_dir() / "msg" / f"{name}.msg" if package == PACKAGE else share_file(package, f"msg/{name}.msg")
+    if path is not None:
+        return path.read_text()
+    text, _ = typestore().generate_msgdef(f"{package}/msg/{name}", ros_version=2)
     return text.split("\n" + _RULE)[0]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rclpy.exceptions import ParameterUninitializedException
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType,
@@ -108,8 +108,8 @@ PARAMS = (
 )
 
 
-def declare_all(node: Any) -> None:
-    node.declare_parameters("", [(p.name, p.default, p.descriptor()) for p in PARAMS])
+def declare_all(node: Any, table: tuple[Param, ...] = PARAMS) -> None:
+    node.declare_parameters("", [(p.name, p.default, p.descriptor()) for p in table])
 
 
 def values(node: Any) -> dict[str, Any]:
@@ -134,10 +134,11 @@ def _given(name: str, value: Any) -> Any:
 MIN_STATUS_RATE = 1e-3   # one status every 1000 s
 
 
-def check(parameters: list) -> SetParametersResult:
-    """Value checks beyond type and range (which rclpy applies from the descriptors)."""
+def check(parameters: list, reason_of: Callable[[str, Any], str] | None = None) -> SetParametersResult:
+    """Value checks beyond type and range (which rclpy applies from the descriptors): the first
+    parameter ``reason_of`` (default: this node's checks) finds a reason to refuse, refuses all."""
     for parameter in parameters:
-        reason = _reason(parameter.name, parameter.value)
+        reason = (reason_of or _reason)(parameter.name, parameter.value)
         if reason:
             return SetParametersResult(successful=False, reason=f"{parameter.name}: {reason}")
     return SetParametersResult(successful=True)

@@ -22,9 +22,9 @@ Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` at
 (std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it. Each answers
 success=false with the reason rather than raise.
 
-Parameters (each with its range, checked by rclpy at start and when set): ``seed``,
-``frame_id`` and ``max_command_age`` are read when used and may be set at run time; the others
-shape the node's timers and are read once.
+Parameters (``PARAMS``: each number with its range, ``frame_id`` not empty, checked at start
+and when set): ``seed``, ``frame_id``, ``max_command_age`` and ``max_command_bytes`` are read
+when used and may be set at run time; the others shape the node's timers and are read once.
 
 Time: with ``lockstep`` true, a control period is stepped once a command answering the latest
 state has come (its stamp is that state's; a refused one steps with the targets held):
@@ -42,7 +42,6 @@ from typing import Any
 
 from builtin_interfaces.msg import Time
 from geometry_msgs.msg import PoseStamped
-from rcl_interfaces.msg import SetParametersResult
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.serialization import deserialize_message
@@ -55,7 +54,7 @@ from trajectory_msgs.msg import JointTrajectory
 from ..errors import InvalidArgument
 from ..sim.arm import JOINT_NAMES, Arm, ArmState
 from ..sim.task import Episode
-from .params import Param
+from .params import Param, check, declare_all
 from .spinning import run_node
 
 _LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
@@ -73,9 +72,9 @@ def seconds_of(stamp: Time) -> float:
 class SimNode(Node):
     def __init__(self, node_name: str = "flashrt_sim", **kwargs: Any) -> None:
         super().__init__(node_name, **kwargs)
-        self.declare_parameters("", [(p.name, p.default, p.descriptor()) for p in PARAMS])
-        self.add_on_set_parameters_callback(_check)
-        # rclpy checks a descriptor's ranges, not its constraints text: the one a range cannot say.
+        declare_all(self, PARAMS)
+        self.add_on_set_parameters_callback(lambda parameters: check(parameters, _reason))
+        # rclpy applies a descriptor's range, not its constraint text: what no range can say.
         reason = _reason("frame_id", self.get_parameter("frame_id").value)
         if reason:
             raise InvalidArgument(f"frame_id: {reason}")
@@ -223,15 +222,6 @@ PARAMS = (
 
 def _reason(name: str, value: Any) -> str:
     return "must not be empty" if name == "frame_id" and not value else ""
-
-
-def _check(parameters: list) -> SetParametersResult:
-    """Checks beyond the descriptors' types and ranges, which rclpy applies itself."""
-    for parameter in parameters:
-        reason = _reason(parameter.name, parameter.value)
-        if reason:
-            return SetParametersResult(successful=False, reason=f"{parameter.name}: {reason}")
-    return SetParametersResult(successful=True)
 
 
 def _answer(response: Any, act: Any, done: str) -> Any:
