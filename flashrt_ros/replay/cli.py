@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     args = parser().parse_args(argv)
     try:
         tolerance = Tolerance(args.margin_tol, args.action_atol, args.action_rtol)
-        journal, outputs, source = read(args.bag, args.session)
+        journal, outputs, source, salvaged = read(args.bag, args.session)
         try:
             check_entries(journal.entries, outputs)
         except InvalidArgument as exc:
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
             raise ValueError(f"the session records aten_cpu_capability={capability!r}, not a name")
         if rerun and args.verdict != "portable":
             _rerun_at(capability)
+        if salvaged:   # after the restart, which reads the bag again: said once
+            print(f"flashrt-replay: {args.bag}: {salvaged}", file=sys.stderr)
         threads = journal.session.get("torch_threads")
         if threads is not None:   # see session_of: the split of elementwise work must be the recorded one
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -138,21 +140,20 @@ def parser(prog: str = "flashrt-replay", description: str | None = __doc__,
     return parser
 
 
-def read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str]:
+def read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str, str]:
     """The journal of a journal bag, or of a rosbag2 recording of the node's topics (with the
-    session record from ``session_bag`` if the recording lacks one), what its entries hold, and
-    what the bag is, in words. A bag its recorder left unfinished (killed) is read up to its last
-    complete message, and said so on stderr."""
+    session record from ``session_bag`` if the recording lacks one), what its entries hold,
+    what the bag is, in words, and what was left out of a bag its recorder left unfinished
+    (killed), which is read up to its last complete message ('' for a whole bag)."""
     with complete_bag(bag) as (path, salvaged):
-        if salvaged is not None:
-            print(f"flashrt-replay: {bag}: {salvaged.describe()}", file=sys.stderr)
+        ends = salvaged.describe() if salvaged is not None else ""
         if is_journal_bag(path):
-            return read_bag(path), JOURNAL_OUTPUTS, "a journal bag"
+            return read_bag(path), JOURNAL_OUTPUTS, "a journal bag", ends
         recording = read_recorded(str(path), session_bag)
     words = (f"a rosbag2 recording of node {recording.journal.session['node']} ({recording.dropped_observations} "
              f"observations with no action and {recording.skipped_calls} calls that reached no engine left out"
              + "".join(f"; {note}" for note in recording.notes) + "; no state digests recorded)")
-    return recording.journal, RECORDED_OUTPUTS, words
+    return recording.journal, RECORDED_OUTPUTS, words, ends
 
 
 def read_recorded(bag: str, session_bag: str | None) -> Recording:
