@@ -20,7 +20,7 @@ from flashrt_ros.replay import Journal, judge
 from flashrt_ros.runtime import Engine, ModelConfig
 from flashrt_ros.runtime import mtp_head
 from flashrt_ros.runtime.backends import cpu as cpu_backend
-from flashrt_ros.runtime.speculative import KnownDrafts
+from flashrt_ros.bench.known_drafts import KnownDrafts
 from flashrt_ros.resources import package_file
 from flashrt_ros.serving.session import Session
 from hf_reference import CONFIGS, save_hf_model

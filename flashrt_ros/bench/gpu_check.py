@@ -134,7 +134,7 @@ def _speculative() -> bool:
     captured graphs, the tokens are plain decode's, and a pass's time against a decode step's.
     torch's products of several rows round otherwise than of one on a GPU, so the state's bytes
     are reported, not required (the tokens are, where margins exceed that rounding)."""
-    from ..runtime.speculative import KnownDrafts
+    from .known_drafts import KnownDrafts
 
     engine = Engine.from_config(ModelConfig.bench(), device="cuda", max_seq_len=1024)
     try:

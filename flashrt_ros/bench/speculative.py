@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..runtime import Engine, ModelConfig
-from ..runtime.speculative import KnownDrafts
+from .known_drafts import KnownDrafts
 from ..distill.train_lm import corpus
 from ..distill.train_mtp import text_prompts
 from .common import bench_main, copy_bandwidth, interleaved, machine, positive_int, timed, verdict

@@ -102,12 +102,6 @@ class Arm:
         return ArmState(float(self.data.time), self.data.qpos.copy(), self.data.qvel.copy(),
                         self.data.site_xpos[self._ee].copy(), quat)
 
-    def jacobian(self) -> np.ndarray:
-        """d(ee x, y)/dq at the present pose, [2, 3]."""
-        jacp = np.zeros((3, self.model.nv))
-        mujoco.mj_jacSite(self.model, self.data, jacp, None, self._ee)
-        return jacp[:2]
-
 
 def wrap(angle: float) -> float:
     return (angle + math.pi) % (2 * math.pi) - math.pi
