@@ -6,17 +6,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("rclpy")
 
 from flashrt_ros.errors import ErrorCode  # noqa: E402
-from install_space import EXECUTABLES  # noqa: E402
+from install_space import EXECUTABLES, start_node  # noqa: E402
 from ros_harness import SERVICES, wait_future  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 EXECUTABLE = EXECUTABLES / "flashrt_node"
 
 
@@ -32,10 +30,7 @@ def test_installed_node_serves_another_process_and_stops_on_sigterm(monkeypatch,
     # Both processes: discovery on this host only, in this run's private domain.
     monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     log = open(tmp_path / "node.log", "w+")
-    proc = subprocess.Popen(
-        [str(EXECUTABLE), "--ros-args", "--params-file", str(ROOT / "config" / "flashrt.yaml"),
-         "-p", "autostart:=true", "-p", "max_seq_len:=512", "-p", f"capsule_dir:={tmp_path / 'capsules'}"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = start_node(log, "max_seq_len:=512", f"capsule_dir:={tmp_path / 'capsules'}")
     context = Context()
     rclpy.init(context=context)
     client = rclpy.create_node("flashrt_process_test", context=context)

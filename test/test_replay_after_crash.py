@@ -2,7 +2,6 @@
 last complete message, and says that the recording ends early."""
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,7 @@ pytest.importorskip("rosbags")
 from flashrt_ros.replay.bag import any_reader, read_bag  # noqa: E402
 from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
 from flashrt_ros.replay.salvage import complete_bag, unfinished  # noqa: E402
-from install_space import EXECUTABLES  # noqa: E402
+from install_space import EXECUTABLES, start_node  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "bags" / "attempt_with_rollback"
@@ -111,10 +110,7 @@ def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeyp
     monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     journal = tmp_path / "journal"
     log = open(tmp_path / "node.log", "w+")
-    proc = subprocess.Popen(
-        [str(EXECUTABLE), "--ros-args", "--params-file", str(ROOT / "config" / "flashrt.yaml"),
-         "-p", "autostart:=true", "-p", "max_seq_len:=256", "-p", f"journal_path:={journal}"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = start_node(log, "max_seq_len:=256", f"journal_path:={journal}")
     context = Context()
     rclpy.init(context=context)
     client = rclpy.create_node("flashrt_crash_test", context=context)
