@@ -38,7 +38,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from builtin_interfaces.msg import Time
 from geometry_msgs.msg import PoseStamped
@@ -118,7 +118,7 @@ class SimNode(Node):
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         seed = self.get_parameter("seed").value
-        return _answer(response, lambda: self._reset(), f"episode seed {seed} at rest")
+        return _answer(response, self._reset, f"episode seed {seed} at rest")
 
     def _on_jam(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
         def jam() -> None:
@@ -224,7 +224,7 @@ def _reason(name: str, value: Any) -> str:
     return "must not be empty" if name == "frame_id" and not value else ""
 
 
-def _answer(response: Any, act: Any, done: str) -> Any:
+def _answer(response: Any, act: Callable[[], None], done: str) -> Any:
     """``response`` with success and ``done``, or success=false and the reason ``act`` failed:
     a service of the simulator answers every request and never raises into the executor."""
     try:
