@@ -350,7 +350,10 @@ def test_generate_halted_before_its_goal_was_accepted_then_run_again_is_not_refu
         behaviour.stop(Status.INVALID)
         behaviour.max_new_tokens = 3
         assert _tick_until_done(behaviour) == Status.SUCCESS, _blackboard("flashrt_error")
-        assert len(_blackboard("out")["tokens"]) == 3
+        # Its own goal ran to its end: 3 tokens, or fewer ending at the model's stop token. Which
+        # depends on how many tokens the canceled goal committed first, which is timing.
+        tokens = _blackboard("out")["tokens"]
+        assert len(tokens) == 3 or (0 < len(tokens) < 3 and tokens[-1] in live.node.engine.stop_token_ids), tokens
 
 
 def test_generate_canceled_by_another_client_fails(live):
