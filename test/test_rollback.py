@@ -141,7 +141,8 @@ def test_a_rollback_whose_replay_fails_leaves_the_state_as_it_was():
     engine.prefill(list(range(1, 11)))
     engine.generate(5)
     before, position = engine.state_digest(), engine.position
-    replay, calls = engine._replay, []
+    live = engine._live
+    replay, calls = live._replay, []
 
     def failing(*args):   # a fault in the middle of the replay: the prefill run went through
         calls.append(args[0])
@@ -149,10 +150,10 @@ def test_a_rollback_whose_replay_fails_leaves_the_state_as_it_was():
             raise RuntimeError("injected fault")
         return replay(*args)
 
-    engine._replay = failing
+    live._replay = failing
     with pytest.raises(RuntimeError, match="injected"):
         engine.rollback(to_position=13)
-    del engine._replay
+    del live._replay
     assert calls == ["prefill", "decode"]
     assert engine.state_digest() == before and engine.position == position
     assert engine.rollback(to_position=13) == 13   # and it still works

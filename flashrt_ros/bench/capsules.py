@@ -49,7 +49,7 @@ RETURN_TOKENS = 8
 
 def _forget_base(engine: Engine) -> None:
     """The live state as if it descended from no capsule: the next copy is a full one."""
-    engine._state = replace(engine._state, base=None)
+    engine._live.state = replace(engine._live.state, base=None)
 
 
 def copy_ratios(engine: Engine, positions: list[int], rounds: int) -> list[dict]:

@@ -82,7 +82,7 @@ def _checks(graphed: Engine, eager: Engine, prompt: torch.Tensor) -> bool:
         capsule = graphed.snapshot(pin=True)
         graphed.capsules.get(capsule.id)   # its digest now, not on another thread during the timings
         first = graphed.generate(32)
-        captures = graphed._token_step.captures
+        captures = graphed.decoder.token_graph.captures
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         flush = CacheFlush(graphed.device)
 
@@ -105,8 +105,8 @@ def _checks(graphed: Engine, eager: Engine, prompt: torch.Tensor) -> bool:
         print(f"  restore of a 16k-token state ({nbytes / 2**20:.1f} MiB): median {full[len(full) // 2]:.3f} ms "
               f"(target < 0.5 ms); a return to it from a descendant state: {back[len(back) // 2]:.3f} ms")
         print(f"  tokens after restore identical: {first == again}; graph captures before/after: "
-              f"{captures}/{graphed._token_step.captures}")
-        return first == again and captures == graphed._token_step.captures == 1 and full[len(full) // 2] < 0.5
+              f"{captures}/{graphed.decoder.token_graph.captures}")
+        return first == again and captures == graphed.decoder.token_graph.captures == 1 and full[len(full) // 2] < 0.5
 
     ok &= _section("restore under 0.5 ms, no recapture, same tokens", restore_time)
 
@@ -157,7 +157,7 @@ def _speculative() -> bool:
             torch.cuda.synchronize()
             timings[name] = (start.elapsed_time(end), out)
         same = timings["speculative k=3"][1] == plain
-        captured = bool(engine._verify_steps) and all(step.captured for step in engine._verify_steps.values())
+        captured = bool(engine.decoder.verify_steps) and all(step.captured for step in engine.decoder.verify_steps.values())
         stats = engine.speculation_stats
         print(f"  256 tokens: plain {timings['plain'][0]:.1f} ms, speculative k=3 {timings['speculative k=3'][0]:.1f} ms "
               f"(x{timings['plain'][0] / timings['speculative k=3'][0]:.2f}), {stats.tokens_per_pass:.2f} tokens per "

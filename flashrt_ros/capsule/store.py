@@ -132,6 +132,11 @@ class CapsuleStore:
         with self._held:
             return self._records.get(record.info.id) is record
 
+    def kept(self, capsule_id: str) -> Record | None:
+        """The capsule with this id, if the store still holds it."""
+        with self._held:
+            return self._records.get(capsule_id)
+
     def drop(self, ref: str | CapsuleInfo) -> CapsuleInfo:
         with self._held:
             record = self.resolve(ref)
@@ -147,13 +152,13 @@ class CapsuleStore:
 
     # ---- capture ---------------------------------------------------------------------------------
     def plan_snapshot(self, position: int, *, name: str | None, tier: str, pin: bool, parent: str,
-                      base: tuple[Record, int] | None, log_runs: tuple) -> SnapshotPlan:
+                      base: tuple[str, int] | None, log_runs: tuple) -> SnapshotPlan:
         """The memory for a capsule of the live state at ``position``, allocated (spilling
         others to make room), with the copies that fill it. Nothing is registered until
         ``add``; ``discard`` gives the memory back.
 
-        ``base`` = (record, p): the live per-token rows [0:p] are byte-equal to that
-        record's, so they are referenced instead of copied.
+        ``base`` = (capsule id, p): the live per-token rows [0:p] are byte-equal to that
+        capsule's, so they are referenced instead of copied while the store still holds it.
         """
         name = check_name(name)
         check_tier(tier)
@@ -162,14 +167,15 @@ class CapsuleStore:
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             if tier == "disk":
                 self._require_dir()
-            shared, start = self._shared_prefix(base, tier, position)
+            source = self._records.get(base[0]) if base else None
+            shared, start = self._shared_prefix(source, base[1] if base else 0, tier, position)
             nbytes = self.layout.ranges_bytes(position, start)
             if tier == "disk":   # a staging buffer: the bytes are counted once they are in their file
                 chunk = Chunk.holding("disk", torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_host))
             else:
                 try:
                     # Room is made without spilling the base: that would free the very rows shared here.
-                    chunk = self._allocate(tier, nbytes, spare=base[0] if shared else None)
+                    chunk = self._allocate(tier, nbytes, spare=source if shared else None)
                 except BudgetExceeded:
                     if not shared:
                         raise
@@ -212,18 +218,17 @@ class CapsuleStore:
                 plan.added = True   # once only
                 self._free(plan.chunk)
 
-    def _shared_prefix(self, base: tuple[Record, int] | None, tier: str, position: int) -> tuple[list[Piece], int]:
-        """The base capsule's pieces that hold the live per-token rows [0:p] a new capsule in
-        ``tier`` can reference, and p (0: nothing shared)."""
-        if base is None or base[0].info.id not in self._records or base[0].info.tier != tier \
-                or tier == "disk" or len(base[0].pieces) > SHARE_PIECES:
+    def _shared_prefix(self, base: Record | None, rows: int, tier: str, position: int) -> tuple[list[Piece], int]:
+        """The base capsule's pieces that hold the live per-token rows [0:p] (p <= ``rows``) a
+        new capsule in ``tier`` can reference, and p (0: nothing shared)."""
+        if base is None or base.info.tier != tier or tier == "disk" or len(base.pieces) > SHARE_PIECES:
             return [], 0
-        start = min(base[1], position)
+        start = min(rows, position)
         shared: list[Piece] = []
         if start:
             for r in self.layout.regions:
                 if r.per_token:
-                    shared += base[0].pieces_in(r.offset, r.offset + start * r.row_bytes)
+                    shared += base.pieces_in(r.offset, r.offset + start * r.row_bytes)
         return shared, start
 
     def fork(self, source: Record, name: str | None) -> Record:
@@ -258,11 +263,17 @@ class CapsuleStore:
         return record
 
     # ---- restore ---------------------------------------------------------------------------------
-    def shared_rows(self, record: Record, other: Record, rows: int) -> int:
-        """How many of the first ``rows`` per-token rows ``record`` keeps in the very bytes
-        ``other`` keeps them in: a fork shares them all, and a snapshot that extended
-        ``other`` shares its prefix. Chunks are immutable, so equal bytes follow."""
+    def shared_rows(self, record: Record, other_id: str, rows: int) -> int:
+        """How many of the first ``rows`` per-token rows ``record`` keeps in the very bytes the
+        capsule ``other_id`` keeps them in (0 if the store no longer holds it): a fork shares
+        them all, and a snapshot that extended the other shares its prefix. Chunks are
+        immutable, so equal bytes follow."""
         with self._held:
+            other = self._records.get(other_id)
+            if other is None:
+                return 0
+            if other is record:
+                return rows
             for offset, row_bytes in self.layout.rows:
                 if rows:
                     same = same_bytes_until(record.pieces, other.pieces, offset, offset + rows * row_bytes)

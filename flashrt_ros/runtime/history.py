@@ -10,8 +10,8 @@ so the result is bit-identical to an engine that made exactly those calls.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -76,18 +76,58 @@ class RingSlots:
         buffer[:view.numel()].copy_(view, non_blocking=True)
 
 
+class Base(NamedTuple):
+    """The capsule the live state descends from: the live per-token rows [0:rows] equal its rows."""
+
+    capsule: str
+    rows: int
+
+
 @dataclass(frozen=True, slots=True)
 class Boundary:
     """Everything the engine knows about its live state beside the arena's bytes, replaced by
-    one assignment at each committed boundary, restore, rollback or reset.
+    one assignment at each committed boundary, restore, rollback or reset, with one of the
+    transitions below.
 
-    ``lineage`` changes whenever the state is replaced rather than extended. ``base`` =
-    (capsule record, p): the live per-token rows [0:p] equal that capsule's. ``origin``: the
+    ``lineage`` changes whenever the state is replaced rather than extended. ``origin``: the
     capsule the last ``rollback(to_position)`` replayed from ("" otherwise)."""
 
     position: int = 0
     lineage: int = 0
     log: tuple[Run, ...] = ()
     ring: tuple[Kept, ...] = ()
-    base: tuple[Any, int] | None = None
+    base: Base | None = None
     origin: str = ""
+
+
+# ---- transitions: each takes a state and returns the next; the caller has written the arena ----
+def committed(state: Boundary, kind: str, count: int, ring: tuple[Kept, ...]) -> Boundary:
+    """``state`` extended by ``count`` rows of ``kind``; ``ring`` holds the new boundary."""
+    return replace(state, position=state.position + count, log=appended(state.log, kind, state.position, count),
+                   ring=ring)
+
+
+def stepped_back(state: Boundary, index: int) -> Boundary:
+    """``state`` back at its ring entry ``index``, whose fixed bytes the arena holds again."""
+    kept = state.ring[index]
+    base = None if state.base is None else Base(state.base.capsule, min(state.base.rows, kept.position))
+    return replace(state, position=kept.position, log=truncated(state.log, kept.position),
+                   ring=state.ring[:index + 1], base=base, origin="")
+
+
+def moved(state: Boundary, position: int, log: tuple[Run, ...], ring: tuple[Kept, ...],
+          base: Base | None = None, origin: str = "") -> Boundary:
+    """Another boundary than ``state``'s, written into the arena whole: a restore, a reset, or
+    where a replay starts. The lineage is the caller's to renew."""
+    return replace(state, position=position, log=log, ring=ring, base=base, origin=origin)
+
+
+def renewed(state: Boundary) -> Boundary:
+    """``state`` as a replacement of the one before, not its extension."""
+    return replace(state, lineage=state.lineage + 1)
+
+
+def unknown(state: Boundary) -> Boundary:
+    """After a replacement interrupted part-way: the arena is neither state, so no boundary the
+    ring holds matches it and its rows are no capsule's."""
+    return replace(state, lineage=state.lineage + 1, base=None, ring=())

@@ -9,7 +9,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..capsule.errors import InvalidCapsuleRequest
 from ..errors import InvalidArgument, shown
+from .arena import GROUPS
 
 
 def is_int(value: Any) -> bool:
@@ -86,3 +88,22 @@ def temperature(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"temperature must be a finite number >= 0 (0: greedy), got {shown(value)}")
     return float(value)
+
+
+def count(value: Any, what: str) -> int:
+    """An int >= 0 (a number of tokens, a sync interval)."""
+    if not is_int(value) or value < 0:
+        raise InvalidArgument(f"{what} must be an int >= 0, got {shown(value)}")
+    return int(value)
+
+
+def groups(regions: Any, verify: bool) -> list[str] | None:
+    """The state groups a partial restore names (None: a whole restore), or InvalidCapsuleRequest."""
+    if regions is None:
+        return None
+    named = list(regions) if isinstance(regions, (list, tuple)) else None
+    if not named or not all(isinstance(g, str) and g in GROUPS for g in named):
+        raise InvalidCapsuleRequest(f"regions must be a list of groups among {list(GROUPS)}, got {shown(regions)}")
+    if verify:
+        raise InvalidCapsuleRequest("verify needs a full restore (regions=None)")
+    return named

@@ -10,7 +10,9 @@ fingerprint without ``mtp.*``) and how often its drafts were accepted.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,7 +22,9 @@ from ..errors import CheckpointError
 from .config import ModelConfig
 from .weights import DRAFT_VOCAB, expected_shapes, fingerprint
 
-__all__ = ["DRAFT_VOCAB", "base_fingerprint", "check_draft_vocab", "head_names", "load", "save"]
+__all__ = ["DRAFT_VOCAB", "base_fingerprint", "check_draft_vocab", "head_names", "load", "save", "with_head"]
+
+log = logging.getLogger(__name__)
 
 
 def head_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -72,3 +76,15 @@ def load(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], d
 def save(path: str | Path, head: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write a head file (tensors made contiguous and owned, as safetensors wants)."""
     save_file({n: t.detach().contiguous().clone() for n, t in head.items()}, str(path), metadata=metadata)
+
+
+def with_head(cfg: ModelConfig, weights: dict[str, torch.Tensor], seeded: Sequence[str],
+              path: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``weights`` with the head file at ``path`` in place of their ``mtp.*``, and the names of
+    ``seeded`` that are still seeded."""
+    head, meta = load(path, cfg)
+    base = meta.get("distilled_from")
+    if base and base != base_fingerprint(cfg, weights):
+        log.warning("MTP head %s was distilled from another model (%s): its drafts will rarely be accepted",
+                    path, base)
+    return weights | head, [name for name in seeded if not name.startswith("mtp.")]

@@ -1,12 +1,12 @@
-"""What self-speculative decoding with the model's MTP layer keeps beside the arena.
+"""Self-speculative decoding with the model's MTP layer: its drafter, counts and switch-off rule.
 
 One pass, under the engine lock: the main model's next token x (from the logits it already
 has), up to k draft tokens chained by the MTP layer, then one verify forward of [x, drafts]
 over the weights (``Qwen35.verify``). The drafts agree with the main model's own choices for
 some prefix; x and that prefix are committed, one boundary each, and the main model's choice
 after the last of them is the next pass's x. A draft that disagrees has already moved the
-recurrent and conv state, so the verify leaves the fixed-size state after every row in an
-image here, and the engine loads the image of the last accepted row: the same bytes a plain
+recurrent and conv state, so the verify returns the fixed-size state after every row and the
+pass (``decoding.Decoder.speculate``) loads the one of the last accepted row: the same bytes a plain
 decode step leaves, which is also what the rollback ring keeps per committed token.
 
 Exactness rests on ``verify`` computing each row as a decode step does alone. On the CPU
@@ -27,7 +27,6 @@ from typing import Callable
 
 import torch
 
-from .arena import StateArena
 from .models.qwen35 import Qwen35
 
 # Passes whose acceptance decides whether speculation pays, and plain tokens before it is tried again.
@@ -75,11 +74,8 @@ class Speculation:
     speculation off; 0 keeps it on whatever the acceptance.
     """
 
-    def __init__(self, arena: StateArena, model: Qwen35, max_draft: int,
-                 draft_vocab: torch.Tensor | None = None) -> None:
+    def __init__(self, model: Qwen35, max_draft: int, draft_vocab: torch.Tensor | None = None) -> None:
         self.max_draft = max_draft
-        self.images = torch.zeros(max_draft + 1, arena.fixed_bytes, dtype=torch.uint8, device=arena.device)
-        self.kept = [arena.fixed_views(image) for image in self.images]
         self.vocab = self.head = None
         if draft_vocab is not None:
             # The lm_head columns of the draft vocabulary, their own copy, [H, V'].

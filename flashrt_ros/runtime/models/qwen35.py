@@ -187,8 +187,13 @@ class Qwen35:
         self.qk_scale = torch.tensor([dk ** -1.0] * hk + [dk ** -0.5] * hk, device=device).view(2 * hk, 1)
         self.arena: StateArena | None = None
 
-    def bind(self, arena: StateArena) -> None:
+    def bind(self, arena: StateArena, verify_rows: int = 0) -> None:
+        """Take the arena's views. ``verify_rows``: the most rows a ``verify`` runs, each of which
+        leaves its fixed-size state in ``verify_states``."""
         self.arena = arena
+        # The fixed-size state after each row of a verify, laid out as the arena's fixed block.
+        self.verify_states = torch.zeros(verify_rows, arena.fixed_bytes, dtype=torch.uint8, device=arena.device)
+        self._row_views = [arena.fixed_views(image) for image in self.verify_states]
         self.position = arena["meta.position"]
         self.rng_seed = arena["meta.rng"]
         self.last_hidden = arena["meta.last_hidden"]
@@ -334,15 +339,12 @@ class Qwen35:
             out[i] = token[0]
         return out
 
-    def verify(self, tokens: torch.Tensor, position: int, kept: list[dict[str, torch.Tensor]],
-               fixed: bool) -> torch.Tensor:
+    def verify(self, tokens: torch.Tensor, position: int, fixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` [n] at rows position .. position + n - 1 (the position counter on) through
         the main model and the MTP layer's KV in one pass over the weights; return the logits
-        [n, vocab] that follow each row.
-
-        The state ends as after all n rows; ``kept[i]`` (views of a fixed-block image, as
-        ``StateArena.fixed_views`` gives) receives the fixed-size state after row i, so that a
-        verify that accepts fewer rows can step back. Each row is computed exactly as a decode
+        [n, vocab] that follow each row, and the fixed-size state after each row [n, fixed_bytes]
+        (``verify_states``, valid until the next verify), so that a caller that accepts fewer
+        rows can step back. The arena ends as after all n rows. Each row is computed exactly as a decode
         step computes it alone: products through ``Projection`` (batch-invariant on the row
         kernel), and per row the attention over its own span (``fixed``: the masked span of
         ``decode_span``) and the linear mixer. Rows are indexed by the device position counter
@@ -363,19 +365,19 @@ class Qwen35:
             if b.kind == FULL:
                 h = self._full_mixer_rows(h, b, rows, rope, spans)
             else:
-                h = self._linear_mixer_rows(h, b, kept)
+                h = self._linear_mixer_rows(h, b)
             x = x + h
             x = x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
         hidden = rms_norm(x, self.final_norm, eps)
         if self.mtp is not None:
             self._write_mtp_kv(embeds, torch.cat([self.last_hidden[None], hidden[:-1]]), rows, rope)
-        for i, image in enumerate(kept[:n]):
+        for i, image in enumerate(self._row_views[:n]):
             image["meta.last_hidden"].copy_(hidden[i])
             image["meta.position"].copy_(rows[i:i + 1] + 1)
             image["meta.rng"].copy_(self.rng_seed)
         self.last_hidden.copy_(hidden[-1])
         self.position.add_(n)
-        return self.lm_head(hidden)
+        return self.lm_head(hidden), self.verify_states[:n]
 
     def _full_mixer_rows(self, x: torch.Tensor, b: _Block, rows: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor], spans: list[Span]) -> torch.Tensor:
@@ -390,17 +392,17 @@ class Qwen35:
                                           rows[i:i + 1], spans[i]) for i in range(n)])
         return b.out_proj(out * torch.sigmoid(gate))
 
-    def _linear_mixer_rows(self, x: torch.Tensor, b: _Block, kept: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def _linear_mixer_rows(self, x: torch.Tensor, b: _Block) -> torch.Tensor:
         """``_linear_mixer`` for consecutive rows, one decode-sized mixer step each, keeping the
-        conv and recurrent state after each row in ``kept``."""
+        conv and recurrent state after each row in that row's ``verify_states``."""
         rows = b.in_proj(x)
         out = []
         for i in range(rows.shape[0]):
             row = rows[i:i + 1]
             # A copy of the kernel's one-row output: the next call reuses its buffer.
             out.append(b.delta(row).clone() if b.delta is not None else self.delta_rule(row, b))
-            kept[i]["recurrent"][b.slot].copy_(self.recurrent[b.slot])
-            kept[i]["conv"][b.slot].copy_(self.conv[b.slot])
+            self._row_views[i]["recurrent"][b.slot].copy_(self.recurrent[b.slot])
+            self._row_views[i]["conv"][b.slot].copy_(self.conv[b.slot])
         return b.out_proj(torch.cat(out))
 
     def logits(self) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""The live state: its ``Boundary`` value, the ring of fixed blocks behind it, and the moves that
+advance it (commits) or take it back (the ring, a replay of the log to a position).
+
+Each move writes the arena, then assigns the next ``Boundary`` from one of ``history``'s
+transitions. A move that fails part-way leaves the arena and the value as the last committed
+boundary had them. The caller holds the engine lock.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from ..capsule import CapsuleStore
+from ..capsule.errors import CapsuleError
+from ..errors import FlashRTError
+from .arena import StateArena
+from .decoding import Decoder, Pass
+from .history import (DECODE, PREFILL, STEP, Base, Boundary, RingSlots, between, committed, moved, renewed,
+                      stepped_back)
+
+log = logging.getLogger(__name__)
+
+
+class NotFinite(Exception):
+    """A policy step gave NaN or infinity; it was not committed (never leaves the engine)."""
+
+
+class LiveState:
+    """The engine's live state and its moves, over one arena and one decoder."""
+
+    def __init__(self, arena: StateArena, decoder: Decoder, depth: int) -> None:
+        self.arena, self.decoder, self.model = arena, decoder, decoder.model
+        self.slots = RingSlots(depth, arena.fixed_bytes, arena.device)
+        self.state = Boundary(ring=self.ring_at(0))
+
+    def ring_at(self, position: int) -> tuple:
+        """A ring of the arena's fixed block alone, as the boundary at ``position``."""
+        return self.slots.saved((), self.arena.buffer, position)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    @contextmanager
+    def committed_whole(self) -> Iterator[None]:
+        """A boundary is committed whole or not at all. Anything raised part-way (Ctrl-C in a
+        layer, a later chunk of a long prompt failing) puts back the fixed-size state of the
+        last boundary, which the ring holds; rows written past the position are not live."""
+        try:
+            yield
+        except BaseException:
+            if self.state.ring:   # empty only after an interrupted restore: the state is unknown then
+                self.slots.load(self.state.ring[-1], self.arena.buffer)
+            raise
+
+    def commit(self, kind: str, count: int, image: torch.Tensor | None = None) -> None:
+        """The boundary after ``count`` rows of ``kind``, its ring slot taken from the arena's
+        fixed block or from ``image``, a copy of the block at that boundary."""
+        state = self.state
+        ring = self.slots.saved(state.ring, self.arena.buffer if image is None else image, state.position + count)
+        self.state = committed(state, kind, count, ring)
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        with self.committed_whole():
+            self.decoder.prefill(ids, self.state.position)
+            self.commit(PREFILL, ids.numel())
+
+    def token(self, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode boundary, greedy or ``sampled``: (the token [1], its margin [1]) on the device."""
+        with self.committed_whole():
+            chosen = self.decoder.token(self.state.position, sampled)
+            self.commit(DECODE, 1)
+        return chosen
+
+    def logged_token(self, token: int) -> None:
+        """One decode boundary of a token known beforehand (``Decoder.logged_token``)."""
+        with self.committed_whole():
+            self.decoder.logged_token(self.state.position, token)
+            self.commit(DECODE, 1)
+
+    def step(self, observation: torch.Tensor, finite_only: bool = False) -> torch.Tensor:
+        """One policy boundary; its action [action_dim] on the device. ``finite_only``: raise
+        NotFinite, nothing committed, if the step drove the action or the hidden state to NaN
+        or infinity (a replay commits what was committed)."""
+        with self.committed_whole():
+            action = self.decoder.policy(self.state.position, observation)
+            if finite_only and not self.decoder.finite():
+                # The step's own rows are past the position, but fixed-shape decode (and the
+                # CUDA graph) reads every row and masks scores: 0 x NaN would still be NaN.
+                for region in self.arena.regions:
+                    if region.per_token:
+                        self.arena[region.name][self.state.position].zero_()
+                raise NotFinite
+            self.commit(STEP, 1)
+        return action
+
+    def speculative_pass(self, drafts: int, sampled: bool, last: Pass | None) -> Pass:
+        """A pass of ``drafts`` drafts (``Decoder.speculate``), each token it keeps its own boundary.
+        ``last``: the previous pass, whose logits follow its end."""
+        at = self.state.position
+        with self.committed_whole():
+            done = self.decoder.speculate(at, drafts, sampled, last.follows if last and last.end == at else None)
+        for image in done.states:
+            self.commit(DECODE, 1, image=image)
+        return done
+
+    # ---- back ------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """The empty state, as a replacement of this one."""
+        self.arena.buffer.zero_()
+        self.state = renewed(moved(self.state, 0, (), self.ring_at(0)))
+
+    def back(self, steps: int) -> None:
+        """``steps`` boundaries back along the ring (at most ``len(ring) - 1``)."""
+        if steps:
+            with self.committed_whole():
+                self.state = renewed(self._stepped_back(self.state, len(self.state.ring) - 1 - steps))
+
+    def _stepped_back(self, state: Boundary, index: int) -> Boundary:
+        self.slots.load(state.ring[index], self.arena.buffer)
+        return stepped_back(state, index)
+
+    def replay_to(self, target: int, capsules: CapsuleStore) -> None:
+        """Back to position ``target`` <= the position: from the nearest kept boundary at or before
+        it, the logged inputs committed again. A replay that fails changes nothing."""
+        state = self.state
+        logged = self._logged_inputs(target)
+        # What the replay may change, kept so that a failed one changes nothing: the fixed
+        # block, and (once the start is known) the rows it rewrites.
+        fixed = self.arena.buffer[:self.arena.fixed_bytes].clone()
+        start = self._replay_start(state, target, capsules)
+        rows = [(view, view[start.position:target].clone())
+                for r, view in self.arena.live_views(self.model.rows.numel()) if r.per_token]
+        try:
+            self.state = start
+            for kind, first, count in between(state.log, start.position, target):
+                self._replay(kind, first, count, *logged)
+            if self.state.position != target or self.model.tokens[:target].tolist() != logged[0]:
+                raise FlashRTError(f"replay to position {target} did not reproduce the logged run "
+                                   f"(it reached position {self.state.position})")
+        except BaseException:
+            self.arena.buffer[:self.arena.fixed_bytes].copy_(fixed)
+            for view, saved in rows:
+                view[start.position:target].copy_(saved)
+            # The steps back the ring held may be overwritten: the state is the one before, alone.
+            self.state = moved(state, state.position, state.log, self.ring_at(state.position), state.base)
+            raise
+        if target < state.position:   # back to where it was: the same state, the same lineage
+            self.state = renewed(self.state)
+
+    def _logged_inputs(self, end: int) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """The tokens, sampling seeds and observations of rows [0, end), as the arena logged them."""
+        observations = self.model.observations
+        return (self.model.tokens[:end].tolist(), self.model.seeds[:end].tolist(),
+                None if observations is None else observations[:end].clone())
+
+    def _replay_start(self, state: Boundary, target: int, capsules: CapsuleStore) -> Boundary:
+        """The nearest boundary at or before ``target``, loaded into the arena: a ring entry; else
+        the capsule the state descends from, if the run passed its boundary (its rows are the
+        live ones, so only its fixed block is copied); else the empty state."""
+        index = next((i for i in range(len(state.ring) - 1, -1, -1) if state.ring[i].position <= target), None)
+        if index is not None:
+            return self._stepped_back(state, index)
+        origin = None if state.base is None else capsules.kept(state.base.capsule)
+        if origin is not None and 0 < origin.info.position <= min(target, state.base.rows):
+            try:   # a disk capsule that can no longer be read is only a lost shortcut
+                capsules.plan_restore(origin, keep_rows=origin.info.position).copy(self.arena.buffer)
+                at = origin.info.position
+                return moved(state, at, origin.log, self.ring_at(at), Base(origin.info.id, at), origin.info.id)
+            except CapsuleError as exc:
+                log.warning("rollback: capsule %s unreadable (%s); replaying from the empty state",
+                            origin.info.id, exc)
+        self.arena.buffer[:self.arena.fixed_bytes].zero_()
+        return moved(state, 0, (), self.ring_at(0), None if state.base is None else Base(state.base.capsule, 0))
+
+    def _replay(self, kind: str, start: int, count: int, tokens: list[int], seeds: list[int],
+                observations: torch.Tensor | None) -> None:
+        """Commit the logged rows [start, start + count) again, each with the sampling seed it
+        was committed with (a prefill's rows share one): the RNG state ends as the run had it."""
+        if kind == PREFILL:
+            self.model.rng_seed.fill_(seeds[start])
+            self.prefill(torch.tensor(tokens[start:start + count], device=self.arena.device))
+            return
+        for row in range(start, start + count):
+            self.model.rng_seed.fill_(seeds[row])
+            if kind == DECODE:
+                self.logged_token(tokens[row])
+            else:
+                self.step(observations[row])
