@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Protocol
 
 from ..errors import FlashRTError, InvalidArgument
-from ..serving.journal import DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, action_bytes
-from ..serving.requests import SnapshotRequests
+from ..serving.journal import DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry
+from ..serving.operations import Rules, operation_of
 from . import verdicts
 from .verdicts import DIFFERS, EXACT_ONLY, SAME, Finding, Tolerance, Verdicts
 
@@ -62,14 +62,15 @@ class Target(Protocol):
 
 
 class EngineTarget:
-    """Entries applied to an engine in this process."""
+    """Entries applied to an engine in this process, by the rules the session applied them by."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._requests = SnapshotRequests()
+        self._rules = Rules()
 
     def apply(self, entry: Entry, ids: dict[str, str]) -> dict[str, Any]:
-        produced = _apply(entry, self.engine, ids, self._requests)
+        self._rules.ids = ids
+        produced = dict(self._rules.apply(operation_of(entry.kind, entry.request), self.engine).outputs)
         produced["position"] = self.engine.position
         return produced
 
@@ -131,50 +132,6 @@ def judge_on(entries: Iterable[Entry], target: Target, tolerance: Tolerance = To
         report.actions += entry.kind == STEP
         report.capsule_calls += entry.kind not in (PREFILL, DECODE, STEP, SPILL)
     return report
-
-
-def _apply(entry: Entry, engine: Any, ids: dict[str, str], requests: SnapshotRequests) -> dict[str, Any]:
-    req = entry.request
-    if entry.kind == PREFILL:
-        engine.prefill(req["token_ids"])
-        return {}
-    if entry.kind == DECODE:   # greedy unless the entry says how it was drawn
-        return {"token": engine.generate(1, temperature=req.get("temperature", 0.0), seed=req.get("seed"))[0]}
-    if entry.kind == STEP:
-        return {"action": action_bytes(engine.step(req["observation"]))}
-    if entry.kind == SNAPSHOT:
-        # Only first requests and refusals are recorded: a repeat changes nothing.
-        rid = req.get("request_id", "")
-        fields = (req.get("name", ""), req.get("requested_tier", req["tier"]), bool(req.get("pin")))
-        earlier = requests.earlier(rid, fields)
-        if earlier is not None:
-            # A repeat is journaled only when refused: its capsule has gone since (dropped,
-            # evicted). Look it up as the node did, so that the refusal replays too.
-            return {"capsule_id": engine.capsules.get(earlier, wait=False).id}
-        info = engine.snapshot(name=req.get("name") or None, tier=req["tier"], pin=bool(req.get("pin")))
-        requests.remember(rid, fields, info.id)
-        return {"capsule_id": info.id}
-    if entry.kind == SPILL:
-        engine.capsules.spill = bool(req["spill"])
-        return {}
-    if entry.kind == FORK:
-        source = req.get("source_id", "")
-        if source:
-            info = engine.fork(ids.get(source, source), name=req.get("name") or None)
-        else:   # the node forks the live state into its default tier (journals before it: device)
-            info = engine.snapshot(name=req.get("name") or None, tier=req.get("tier") or "device")
-        return {"capsule_id": info.id}
-    if entry.kind == RESTORE:
-        capsule = req["capsule_id"]
-        engine.restore(ids.get(capsule, capsule), verify=bool(req.get("verify")))
-        return {}
-    if entry.kind == ROLLBACK:
-        to = req.get("to_position", -1)
-        engine.rollback(steps=req.get("steps", 1), to_position=None if to == -1 else to)
-        return {}
-    capsule = req["capsule_id"]
-    engine.capsules.drop(ids.get(capsule, capsule))
-    return {}
 
 
 # What an entry of each kind must have recorded for its replay to be checked: "*" for every

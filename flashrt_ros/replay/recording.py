@@ -29,7 +29,9 @@ from rosbags.rosbag2 import Reader
 
 from ..errors import ErrorCode, InvalidArgument
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry, Journal
-from ..serving.observation import build_observation, observation_size, stamp_gap
+from ..serving.observation import observation_size, paired
+from ..serving.operations import Operation, Snapshot, Step, requested
+from ..serving.requests import SnapshotRequests
 from .bag import SESSION_TYPE, messages, session_of_message
 from .types import deserialize
 
@@ -113,24 +115,19 @@ class _Builder:
         self._observation: np.ndarray | None = None
         self._input: tuple[bytes, bytes] | None = None
         self._requests: dict[tuple, Any] = {}
-        self._answered: dict[str, tuple] = {}   # request_id -> (name, requested tier, pin) of a made snapshot
+        self._answered = SnapshotRequests()   # the snapshots made, by request_id
 
-    def _add(self, kind: str, request: dict[str, Any], outcome: dict[str, Any]) -> None:
+    def _add(self, op: Operation, outcome: dict[str, Any]) -> None:
         entries = self.recording.journal.entries
-        entries.append(Entry(len(entries), kind, request, outcome))
+        entries.append(Entry(len(entries), op.KIND, op.journaled(), outcome))
 
     def joint_state(self, msg: Any, raw: bytes) -> None:
         if self._observation is not None:
             self.recording.dropped_observations += 1
         self._observation = None
-        if self.pose is None:
-            return   # the node drops it too: no pose to pair it with
-        pose, pose_raw = self.pose
-        gap = stamp_gap(msg, pose)
-        if self._session["max_pose_age"] > 0 and gap is not None and gap > self._session["max_pose_age"]:
-            return
-        try:
-            self._observation = build_observation(self._session["joint_names"], msg, pose)
+        pose, pose_raw = self.pose or (None, b"")
+        try:   # the node's pairing: a joint state it refused is no operation
+            self._observation = paired(self._session["joint_names"], msg, pose, self._session["max_pose_age"])
         except InvalidArgument:
             return
         self._input = (pose_raw, raw)
@@ -145,8 +142,7 @@ class _Builder:
                                   "have stepped: the bag misses observations, or its order is not the node's")
         action = np.asarray(msg.positions, dtype=np.float64).astype("<f4")
         self.recording.inputs[len(self.recording.journal.entries)] = self._input
-        self._add(STEP, {"observation": self._observation.tolist()},
-                  {"error_code": 0, "action": action.tobytes().hex()})
+        self._add(Step(self._observation), {"error_code": 0, "action": action.tobytes().hex()})
         self._observation = None
 
     def service_event(self, kind: str, topic: str, msg: Any) -> None:
@@ -175,25 +171,14 @@ class _Builder:
         outcome: dict[str, Any] = {"error_code": code, "position": int(resp.position)}
         if code == 0 and kind in (SNAPSHOT, FORK):
             outcome["capsule_id"] = resp.capsule_id
-        if kind == SNAPSHOT:
-            fields = (req.name, req.tier, bool(req.pin))
-            if req.request_id and self._answered.get(req.request_id) == fields and code == 0:
-                self.recording.skipped_calls += 1   # a repeat: answered with the earlier capsule, nothing changed
+        op = requested(kind, req, self._session["default_tier"])
+        if isinstance(op, Snapshot) and code == 0:
+            # The node's repeat rule: a repeat was answered with the earlier capsule, nothing changed.
+            if self._answered.earlier(op.request_id, op.fields) is not None:
+                self.recording.skipped_calls += 1
                 return
-            if req.request_id and code == 0:
-                self._answered[req.request_id] = fields
-            request = {"name": req.name, "tier": req.tier or self._session["default_tier"], "pin": bool(req.pin),
-                       "request_id": req.request_id, "requested_tier": req.tier, "lease_s": float(req.lease_s)}
-        elif kind == FORK:
-            request = {"source_id": req.source_id, "name": req.name, "lease_s": float(req.lease_s),
-                       "tier": "" if req.source_id else self._session["default_tier"]}
-        elif kind == RESTORE:
-            request = {"capsule_id": req.capsule_id, "verify": bool(req.verify)}
-        elif kind == ROLLBACK:
-            request = {"steps": int(req.steps), "to_position": int(req.to_position)}
-        else:
-            request = {"capsule_id": req.capsule_id}
-        self._add(kind, request, outcome)
+            self._answered.remember(op.request_id, op.fields, resp.capsule_id)
+        self._add(op, outcome)
 
     def finish(self) -> None:
         if self._observation is not None:

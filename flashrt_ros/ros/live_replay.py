@@ -39,6 +39,7 @@ from ..errors import ErrorCode, FlashRTError, InvalidArgument
 from ..msg import JournalSession
 from ..replay.bag import SESSION_TYPE, session_of_message
 from ..replay.types import deserialize
+from ..serving import operations as ops
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 
@@ -150,20 +151,8 @@ class LiveNode:
             return {"action": self._step(entry).hex()}
         if entry.kind not in PLAYED_CALLS:
             raise Unplayable(f"message seq={entry.seq} ({entry.kind}) cannot be played into a live node")
-        req = entry.request
         _, srv = PLAYED_CALLS[entry.kind]
-        if entry.kind == SNAPSHOT:
-            request = srv.Request(name=req["name"], tier=req.get("requested_tier", req["tier"]), pin=req["pin"],
-                                  request_id=req["request_id"], lease_s=req["lease_s"])
-        elif entry.kind == FORK:
-            source = req["source_id"]
-            request = srv.Request(source_id=ids.get(source, source), name=req["name"], lease_s=req["lease_s"])
-        elif entry.kind == RESTORE:
-            request = srv.Request(capsule_id=ids.get(req["capsule_id"], req["capsule_id"]), verify=req["verify"])
-        elif entry.kind == ROLLBACK:
-            request = srv.Request(steps=req["steps"], to_position=req["to_position"])
-        else:
-            request = srv.Request(capsule_id=ids.get(req["capsule_id"], req["capsule_id"]))
+        request = _service_request(srv, ops.operation_of(entry.kind, entry.request), ids)
         response = self._call(self._clients[entry.kind], request)
         if not response.success:
             raise Refused(response.error_code, response.message)
@@ -207,3 +196,19 @@ class LiveNode:
                 raise Unanswered(f"{len(self._actions) - seen} actions for step seq={entry.seq}: another "
                                        "publisher feeds the node")
             return self._actions[seen]
+
+
+def _service_request(srv: Any, op: ops.Operation, ids: dict[str, str]) -> Any:
+    """The request message that asks ``srv`` for ``op``, capsule ids mapped through ``ids``."""
+    def mapped(capsule_id: str) -> str:
+        return ids.get(capsule_id, capsule_id)
+
+    if isinstance(op, ops.Snapshot):   # the tier as the client sent it: a repeat is matched by it
+        return srv.Request(name=op.name, tier=op.fields[1], pin=op.pin, request_id=op.request_id, lease_s=op.lease_s)
+    if isinstance(op, ops.Fork):
+        return srv.Request(source_id=mapped(op.source_id), name=op.name, lease_s=op.lease_s)
+    if isinstance(op, ops.Restore):
+        return srv.Request(capsule_id=mapped(op.capsule_id), verify=op.verify)
+    if isinstance(op, ops.Rollback):
+        return srv.Request(steps=op.steps, to_position=op.to_position)
+    return srv.Request(capsule_id=mapped(op.capsule_id))

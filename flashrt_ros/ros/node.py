@@ -36,6 +36,7 @@ from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
 from ..serving import Journal, Session
 from ..serving import journal as J
+from ..serving.operations import Applied, requested
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
 from .convert import info_msg, outcome, session_msg
@@ -323,39 +324,37 @@ class FlashRTNode(LifecycleNode):
         """Whether a generate goal is running (a policy step would interleave with its tokens)."""
         return self._generation.locked()
 
+    def _operation(self, kind: str, request: Any, session: Session) -> Applied:
+        return session.apply(requested(kind, request, self.get_parameter("default_tier").value))
+
     def _snapshot(self, request: Snapshot.Request, response: Snapshot.Response) -> Snapshot.Response:
         def call(session: Session):
-            made = session.snapshot(request.name, request.tier or self.get_parameter("default_tier").value,
-                                    request.pin, request.request_id, requested_tier=request.tier,
-                                    lease_s=request.lease_s)
-            rid = request.request_id
-            if made.repeat:
-                return (self._fill(response, made.info), f"repeat of request_id {rid!r}: same capsule",
-                        made.info.position)
+            applied = self._operation(J.SNAPSHOT, request, session)
+            info, rid = self._fill(response, applied.value), request.request_id
+            if applied.repeat:
+                return info, f"repeat of request_id {rid!r}: same capsule", info.position
             # The caller's trace id goes back in the answer and the event, and to the log.
-            return self._fill(response, made.info), f"ok (request_id {shown(rid)})" if rid else "", None
+            return info, f"ok (request_id {shown(rid)})" if rid else "", None
 
         return self._serve(J.SNAPSHOT, response, call)
 
     def _restore(self, request: Restore.Request, response: Restore.Response) -> Restore.Response:
-        return self._serve(J.RESTORE, response,
-                           lambda session: (self._fill(response, session.restore(request.capsule_id,
-                                                                                 request.verify)), "", None))
+        return self._serve(J.RESTORE, response, lambda session: (
+            self._fill(response, self._operation(J.RESTORE, request, session).value), "", None))
 
     def _fork(self, request: Fork.Request, response: Fork.Response) -> Fork.Response:
         # A fork of the live state is a snapshot (see Engine.fork): it goes to the tier a
         # Snapshot with no tier goes to. A fork of a capsule shares its bytes, in its tier.
         def call(session: Session):
-            made = session.fork(request.source_id, request.name, self.get_parameter("default_tier").value,
-                                lease_s=request.lease_s)
-            response.source_id = made.info.parent if request.source_id else ""   # an id, also when named
-            return self._fill(response, made.info), "", None
+            info = self._operation(J.FORK, request, session).value
+            response.source_id = info.parent if request.source_id else ""   # an id, also when named
+            return self._fill(response, info), "", None
 
         return self._serve(J.FORK, response, call)
 
     def _rollback(self, request: Rollback.Request, response: Rollback.Response) -> Rollback.Response:
         def call(session: Session):
-            _, response.capsule_id = session.rollback(request.steps, request.to_position)
+            _, response.capsule_id = self._operation(J.ROLLBACK, request, session).value
             return None, "", None
 
         return self._serve(J.ROLLBACK, response, call)
@@ -369,7 +368,7 @@ class FlashRTNode(LifecycleNode):
 
     def _drop(self, request: DropCapsule.Request, response: DropCapsule.Response) -> DropCapsule.Response:
         def call(session: Session):
-            info = session.drop(request.capsule_id)
+            info = self._operation(J.DROP, request, session).value
             response.capsule_id = info.id
             return info, "", None
 

@@ -32,7 +32,7 @@ from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..errors import ContextFull, FlashRTError, InvalidArgument
-from ..serving.observation import build_observation, stamp_gap, with_goal
+from ..serving.observation import paired, with_goal
 from .convert import outcome
 from .spinning import spin_until_shutdown
 
@@ -138,19 +138,8 @@ class PolicyIO:
         session = node.session
         if not node.serving or session is None or not session.engine.config.policy:
             return
-        pose = self._latest_pose
-        if pose is None:
-            self._reject("no ~/ee_pose received yet; an observation needs both joint states and the pose")
-            return
-        gap = stamp_gap(msg, pose)
-        if self.max_pose_age > 0 and gap is not None and gap > self.max_pose_age:
-            # A pose publisher that stopped would otherwise pair every new joint state with
-            # where the arm was then.
-            self._reject(f"~/ee_pose and ~/joint_states are {gap:.3f} s apart by their stamps "
-                         f"(policy.max_pose_age {self.max_pose_age:g} s)")
-            return
         try:
-            obs = build_observation(self.joint_names, msg, pose)
+            obs = paired(self.joint_names, msg, self._latest_pose, self.max_pose_age)
             if self._goal_mode:
                 obs = with_goal(obs, self._goal)
             with session.engine.lock:

@@ -31,6 +31,20 @@ def stamp_gap(joint_state, pose_stamped) -> float | None:
     return abs((j.sec - p.sec) + (j.nanosec - p.nanosec) * 1e-9)
 
 
+def paired(joint_names: Sequence[str], joint_state, pose_stamped, max_pose_age: float) -> np.ndarray:
+    """The observation of a joint state and the latest pose before it, as the node pairs them:
+    InvalidArgument, with the reason, when there is no pose yet, when their stamps lie more
+    than ``max_pose_age`` seconds apart (> 0: a pose publisher that stopped would otherwise
+    pair every new joint state with where the arm was then), or when a message does not fit."""
+    if pose_stamped is None:
+        raise InvalidArgument("no ~/ee_pose received yet; an observation needs both joint states and the pose")
+    gap = stamp_gap(joint_state, pose_stamped)
+    if max_pose_age > 0 and gap is not None and gap > max_pose_age:
+        raise InvalidArgument(f"~/ee_pose and ~/joint_states are {gap:.3f} s apart by their stamps "
+                              f"(policy.max_pose_age {max_pose_age:g} s)")
+    return build_observation(joint_names, joint_state, pose_stamped)
+
+
 def build_observation(joint_names: Sequence[str], joint_state, pose_stamped) -> np.ndarray:
     """float32 vector of ``observation_size(len(joint_names))``; InvalidArgument if a message does not fit."""
     counts = Counter(joint_state.name)

@@ -8,23 +8,20 @@ and calls these methods, and an in-process user can do the same.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 
 from ..capsule import CapsuleInfo
-from ..errors import ErrorCode, InvalidArgument
+from ..errors import ErrorCode
 from ..runtime import Engine
-from . import leases as lease_rules
-from .journal import (DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Journal,
-                      action_bytes)
-from .leases import Leases
-from .requests import SnapshotRequests
+from .journal import DECODE, PREFILL, STEP, Journal, action_bytes
+from .operations import (CAPSULE_KINDS, Applied, Decode, Drop, Fork, Operation, Prefill, Restore, Rollback, Rules,
+                         Snapshot, Spill, Step)
 
 log = logging.getLogger(__name__)
 
 JOURNAL_TEXT = 1024   # longest string a request puts in the journal (valid ones are shorter)
-_STATE_CALLS = (SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP)   # the whole state is checked after these
 
 
 class Made(NamedTuple):
@@ -48,80 +45,43 @@ class Session:
         self.engine = engine
         self.journal = journal
         self.journal_failure = ""   # why the journal stopped, once it has
-        self._requests = SnapshotRequests()
-        self._leases = Leases()
+        self.rules = Rules()
         self._version = 0            # bumped by every state change: the status digest is cached per version
         self._digest: tuple[tuple[int, int], str] = ((-1, -1), "")
 
-    # ---- capsule calls -------------------------------------------------------------------------
+    def apply(self, op: Operation) -> Applied:
+        """``op`` under the engine lock, journaled with its outcome, or with the refusal it raised
+        (re-raised). A repeat that changed nothing is not journaled."""
+        with self.engine.lock:
+            try:
+                applied = self.rules.apply(op, self.engine)
+            except Exception as exc:
+                self._record(op.KIND, op.journaled(), exc, {})
+                raise
+            if not applied.repeat:
+                self._record(op.KIND, op.journaled(), None, applied.outputs)
+                self._version += 1
+            return applied
+
+    # ---- capsule calls, by their fields --------------------------------------------------------
     def snapshot(self, name: str = "", tier: str = "device", pin: bool = False, request_id: str = "",
                  requested_tier: str | None = None, lease_s: float = 0.0) -> Made:
-        """A capsule of the live state, in ``tier``. A repeat of an earlier ``request_id`` (with the
-        same name, requested tier and pin) answers that request's capsule and changes nothing.
-        ``lease_s`` > 0: the capsule is dropped once that long has passed since it was made or
-        last named by a request (see ``leases``). ``requested_tier``: the tier as the client sent
-        it, before a default filled it in (what a repeat is matched by)."""
-        requested = tier if requested_tier is None else requested_tier
-        fields = (name, requested, pin)
-
-        def call(engine: Engine):
-            lease = lease_rules.check(lease_s)
-            capsule_id = self._requests.earlier(request_id, fields)
-            if capsule_id is not None:
-                info = engine.capsules.get(capsule_id, wait=False)
-                self._leases.renew(info.id)
-                return Made(info, repeat=True), None
-            info = engine.snapshot(name=name or None, tier=tier, pin=pin)
-            self._requests.remember(request_id, fields, info.id)
-            self._leases.grant(info.id, lease)
-            return Made(info), {"capsule_id": info.id}
-
-        return self._run(SNAPSHOT, {"name": name, "tier": tier, "pin": pin, "request_id": request_id,
-                                    "requested_tier": requested, "lease_s": lease_s}, call)
+        """``apply(Snapshot(...))``: a capsule of the live state (see ``operations.Snapshot``)."""
+        applied = self.apply(Snapshot(name, tier, pin, request_id, requested_tier, lease_s))
+        return Made(applied.value, applied.repeat)
 
     def restore(self, capsule_id: str, verify: bool = False) -> CapsuleInfo:
-        def call(engine: Engine):
-            info = engine.restore(capsule_id, verify=verify)
-            self._leases.renew(info.id)
-            return info, {}
-
-        return self._run(RESTORE, {"capsule_id": capsule_id, "verify": verify}, call)
+        return self.apply(Restore(capsule_id, verify)).value
 
     def fork(self, source_id: str = "", name: str = "", tier: str = "device", lease_s: float = 0.0) -> Made:
-        """A fork of capsule ``source_id``, sharing its bytes in its tier; of the live state (a
-        snapshot into ``tier``) when ``source_id`` is empty."""
-        def call(engine: Engine):
-            lease = lease_rules.check(lease_s)
-            if source_id:
-                info = engine.fork(source_id, name=name or None)
-                self._leases.renew(info.parent)
-            else:
-                info = engine.snapshot(name=name or None, tier=tier)
-            self._leases.grant(info.id, lease)
-            return Made(info), {"capsule_id": info.id}
-
-        return self._run(FORK, {"source_id": source_id, "name": name, "tier": "" if source_id else tier,
-                                "lease_s": lease_s}, call)
+        return Made(self.apply(Fork(source_id, name, tier, lease_s)).value)
 
     def rollback(self, steps: int = 1, to_position: int = -1) -> tuple[int, str]:
-        """Back ``steps`` boundaries, or to ``to_position`` (-1: unused). Returns the position and,
-        for ``to_position``, the capsule the replay started from ("" for none)."""
-        def call(engine: Engine):
-            if to_position < -1:
-                raise InvalidArgument(f"to_position must be >= 0, or -1 for unused; got {to_position}")
-            target = None if to_position == -1 else to_position
-            position = engine.rollback(steps=steps, to_position=target)
-            return (position, engine.rollback_origin if target is not None else ""), {}
-
-        return self._run(ROLLBACK, {"steps": steps, "to_position": to_position}, call)
+        """(the position, and for ``to_position`` the capsule the replay started from, "" for none)."""
+        return self.apply(Rollback(steps, to_position)).value
 
     def drop(self, capsule_id: str) -> CapsuleInfo:
-        def call(engine: Engine):
-            info = engine.capsules.drop(capsule_id)
-            self._leases.forget(info.id)
-            return info, {}
-
-        return self._run(DROP, {"capsule_id": capsule_id}, call)
+        return self.apply(Drop(capsule_id)).value
 
     def list(self, tier: str = "") -> list[CapsuleInfo]:
         return self.engine.capsules.list(tier)
@@ -130,7 +90,7 @@ class Session:
         """Drop every capsule whose lease has run out (each journaled as a drop); returns them."""
         dropped = []
         with self.engine.lock:
-            for capsule_id in self._leases.expired():
+            for capsule_id in self.rules.leases.expired():
                 try:
                     dropped.append(self.drop(capsule_id))
                 except Exception as exc:   # dropped or evicted already, or its file cannot go
@@ -138,19 +98,14 @@ class Session:
         return dropped
 
     def set_spill(self, spill: bool) -> None:
-        """Spill on or off at run time: it decides later refusals and evictions, so it is journaled."""
-        def call(engine: Engine):
-            engine.capsules.spill = bool(spill)
-            return None, {}
-
-        self._run(SPILL, {"spill": bool(spill)}, call)
+        self.apply(Spill(bool(spill)))
 
     # ---- steps and generation ----------------------------------------------------------------
     def step(self, observation: torch.Tensor) -> torch.Tensor:
         """One policy step; a refused observation changes nothing and is not journaled."""
         with self.engine.lock:
             action = self.engine.step(observation)
-            self._record(STEP, {"observation": observation.tolist()}, None, {"action": action_bytes(action)})
+            self._record(STEP, Step(observation).journaled(), None, {"action": action_bytes(action)})
             self._version += 1
             return action
 
@@ -165,7 +120,7 @@ class Session:
         with engine.lock:
             if ids:
                 engine.prefill(ids)
-                self._record(PREFILL, {"token_ids": list(ids), "prompt": prompt}, None, {})
+                self._record(PREFILL, Prefill(ids, prompt).journaled(), None, {})
                 self._version += 1
             stream = engine.stream(n, sync_every=1, temperature=temperature, seed=seed, scored=True,
                                    speculative=speculative)
@@ -182,9 +137,7 @@ class Session:
                 token, margin, position = scored
                 # How it was drawn. Not whether speculatively: such a token replays as a plain
                 # decode step, which commits the same bytes on the CPU backend (``Engine.stream``).
-                how: dict[str, Any] = {"temperature": temperature} if temperature > 0 else {}
-                if seed is not None and first:
-                    how["seed"] = seed
+                how = Decode(temperature, seed if first else None).journaled()
                 self._record(DECODE, how, None, {"token": token, "margin": margin}, position=position)
                 self._version += 1
             first = False
@@ -199,21 +152,6 @@ class Session:
             return self._digest[1]
 
     # ---- internals -----------------------------------------------------------------------------
-    def _run(self, kind: str, request: dict, call: Callable[[Engine], tuple[Any, dict | None]]) -> Any:
-        """``call`` under the engine lock, journaled: its outcome fields, or the refusal it
-        raised (re-raised). ``call`` returns (result, outcome fields), None for a repeat that
-        changed nothing and is not journaled."""
-        with self.engine.lock:
-            try:
-                result, extra = call(self.engine)
-            except Exception as exc:
-                self._record(kind, request, exc, {})
-                raise
-            if extra is not None:
-                self._record(kind, request, None, extra)
-                self._version += 1
-            return result
-
     def _record(self, kind: str, request: dict, exc: BaseException | None, extra: dict,
                 position: int | None = None) -> None:
         """Journal one operation. It has happened (or been refused) already, so a journal that
@@ -228,7 +166,7 @@ class Session:
                    "position": engine.position if position is None else position}
             if exc is None:
                 out.update(extra)
-                if kind in _STATE_CALLS:
+                if kind in CAPSULE_KINDS:
                     out["state_digest"] = engine.state_digest()
             journal.record(kind, _capped(request), out)
         except Exception as failure:
