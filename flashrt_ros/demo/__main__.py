@@ -85,7 +85,7 @@ class Demo:
                      ("drop_capsule", DropCapsule))}
         self.generate_client = ActionClient(self.node, Generate, "/flashrt/generate")
         self.Generate = Generate
-        # Made now so that discovery runs while the node starts (it took ~2 s when made on use).
+        # Made now so that discovery runs while the node starts, not on first use.
         self.actions: list = []
         self.node.create_subscription(JointTrajectoryPoint, "/flashrt/action", self.actions.append, 50)
         self.joints_pub = self.node.create_publisher(JointState, "/flashrt/joint_states", 50)
@@ -160,7 +160,7 @@ class Demo:
             try:
                 # Asked again after 5 s: a first answer can be lost when the node sends it before
                 # it has matched this client's reader (Fast DDS then logs "failed to send
-                # response"); waiting 120 s for it failed a loaded test run. Listing changes nothing.
+                # response"); one long wait for it can then never end. Listing changes nothing.
                 response = self._wait(listing.call_async(listing.srv_type.Request()), timeout=5.0)
             except StepFailed:
                 response = None

@@ -57,7 +57,7 @@ class Target(Protocol):
     def state_digest(self) -> str | None:
         """The digest of the live state (None: the target cannot tell)."""
 
-    def retake(self, entry: Entry, token: int) -> None:
+    def take_recorded(self, entry: Entry, token: int) -> None:
         """Replace the token ``entry`` just produced with the recorded ``token``."""
 
 
@@ -77,7 +77,7 @@ class EngineTarget:
     def state_digest(self) -> str:
         return self.engine.state_digest()
 
-    def retake(self, entry: Entry, token: int) -> None:
+    def take_recorded(self, entry: Entry, token: int) -> None:
         self.engine.rollback(steps=1)   # go on from the recorded token, as the recording did
         self.engine.append(token, seed=entry.request.get("seed"))
 
@@ -115,7 +115,7 @@ def judge_on(entries: Iterable[Entry], target: Target, tolerance: Tolerance = To
             portable, detail = verdicts.token(recorded, margin, produced["token"], tolerance)
             if portable != SAME:
                 found(entry, "token", recorded, produced["token"], portable, detail)
-                target.retake(entry, recorded)
+                target.take_recorded(entry, recorded)
         if "position" in out and out["position"] != produced.get("position"):
             report.stopped = found(entry, "position", out["position"], produced.get("position"), DIFFERS)
             break

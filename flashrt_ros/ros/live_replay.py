@@ -164,7 +164,7 @@ class LiveNode:
     def state_digest(self) -> str | None:
         return None
 
-    def retake(self, entry: Entry, token: int) -> None:
+    def take_recorded(self, entry: Entry, token: int) -> None:
         raise Unplayable("a live replay plays no tokens")
 
     # ---- one call, one step -------------------------------------------------------------------------

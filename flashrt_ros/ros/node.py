@@ -35,7 +35,7 @@ from ..replay.session import session_of
 from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
 from ..serving import Journal, Session
-from ..serving import journal as J
+from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT
 from ..serving.operations import Applied, requested
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from . import params
@@ -52,7 +52,7 @@ _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 _DIRTY_POLL_S = 0.05     # "on change" status goes out within this; leases end within it too
 
 
-class _Unrequested(NamedTuple):
+class _Unasked(NamedTuple):
     """The answer fields of an event no request asked for (a lease ended, the state filled up)."""
 
     position: int
@@ -329,35 +329,35 @@ class FlashRTNode(LifecycleNode):
 
     def _snapshot(self, request: Snapshot.Request, response: Snapshot.Response) -> Snapshot.Response:
         def call(session: Session):
-            applied = self._operation(J.SNAPSHOT, request, session)
+            applied = self._operation(SNAPSHOT, request, session)
             info, rid = self._fill(response, applied.value), request.request_id
             if applied.repeat:
                 return info, f"repeat of request_id {rid!r}: same capsule", info.position
             # The caller's trace id goes back in the answer and the event, and to the log.
             return info, f"ok (request_id {shown(rid)})" if rid else "", None
 
-        return self._serve(J.SNAPSHOT, response, call)
+        return self._serve(SNAPSHOT, response, call)
 
     def _restore(self, request: Restore.Request, response: Restore.Response) -> Restore.Response:
-        return self._serve(J.RESTORE, response, lambda session: (
-            self._fill(response, self._operation(J.RESTORE, request, session).value), "", None))
+        return self._serve(RESTORE, response, lambda session: (
+            self._fill(response, self._operation(RESTORE, request, session).value), "", None))
 
     def _fork(self, request: Fork.Request, response: Fork.Response) -> Fork.Response:
         # A fork of the live state is a snapshot (see Engine.fork): it goes to the tier a
         # Snapshot with no tier goes to. A fork of a capsule shares its bytes, in its tier.
         def call(session: Session):
-            info = self._operation(J.FORK, request, session).value
+            info = self._operation(FORK, request, session).value
             response.source_id = info.parent if request.source_id else ""   # an id, also when named
             return self._fill(response, info), "", None
 
-        return self._serve(J.FORK, response, call)
+        return self._serve(FORK, response, call)
 
     def _rollback(self, request: Rollback.Request, response: Rollback.Response) -> Rollback.Response:
         def call(session: Session):
-            _, response.capsule_id = self._operation(J.ROLLBACK, request, session).value
+            _, response.capsule_id = self._operation(ROLLBACK, request, session).value
             return None, "", None
 
-        return self._serve(J.ROLLBACK, response, call)
+        return self._serve(ROLLBACK, response, call)
 
     def _list(self, request: ListCapsules.Request, response: ListCapsules.Response) -> ListCapsules.Response:
         def call(session: Session):
@@ -368,11 +368,11 @@ class FlashRTNode(LifecycleNode):
 
     def _drop(self, request: DropCapsule.Request, response: DropCapsule.Response) -> DropCapsule.Response:
         def call(session: Session):
-            info = self._operation(J.DROP, request, session).value
+            info = self._operation(DROP, request, session).value
             response.capsule_id = info.id
             return info, "", None
 
-        return self._serve(J.DROP, response, call)
+        return self._serve(DROP, response, call)
 
     @staticmethod
     def _fill(response: Any, info: CapsuleInfo) -> CapsuleInfo:
@@ -442,7 +442,7 @@ class FlashRTNode(LifecycleNode):
         self.get_logger().error(f"policy: {why}; steps are refused with CONTEXT_FULL until a restore, rollback "
                                 "or new goal frees positions")
         session = self.session
-        self._publish_event("context_full", None, _Unrequested(
+        self._publish_event("context_full", None, _Unasked(
             position=session.engine.position if session is not None else 0, message=why, success=False,
             error_code=int(ErrorCode.CONTEXT_FULL)))
         self._dirty.set()
@@ -494,7 +494,7 @@ class FlashRTNode(LifecycleNode):
         if session is not None and self._active:
             try:
                 for info in session.expire():
-                    self._publish_event("drop", info, _Unrequested(position=session.engine.position,
+                    self._publish_event("drop", info, _Unasked(position=session.engine.position,
                                                                    message=f"lease of capsule {info.id} ended"))
             except Exception:   # like the status: an engine fault must not stop the executor
                 if self.context.ok():

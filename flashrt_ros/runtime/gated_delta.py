@@ -29,7 +29,7 @@ import torch.nn.functional as F
 CHUNK = 64
 # Decay factors below exp(-30) ~ 1e-13 sit far under fp32 resolution relative to
 # the terms they are added to; they are set to exactly 0. Left in, their products
-# become denormal floats, which x86 handles up to ~100x slower, and the worker
+# become denormal floats, which x86 handles on a slow microcoded path, and the worker
 # threads of a prefill do not inherit the caller's flush-to-zero setting.
 _LOG_TINY = -30.0
 _TINY = math.exp(_LOG_TINY)
