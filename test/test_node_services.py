@@ -306,15 +306,43 @@ def test_generate_refusals_and_cancel(live):
 
     streamed = []
     handle, result = h.generate(prompt="a long answer", max_new_tokens=400, feedback=streamed.append)
-    busy_handle, busy = h.generate(prompt="second", max_new_tokens=2)
-    _refused(wait_future(busy).result, ErrorCode.BUSY)
     deadline = time.monotonic() + 30
     while len(streamed) < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
-    wait_future(handle.cancel_goal_async())
+    # One goal waits behind the running one (the node's queue is one deep); a third is refused.
+    with h.node.engine.lock:   # the running goal waits at its next token meanwhile
+        assert h.node.generating()
+        _, queued = h.generate(prompt="second", max_new_tokens=2)
+        deadline = time.monotonic() + 30
+        while h.node._waiting_goals < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        _, busy = h.generate(prompt="third", max_new_tokens=2)
+        _refused(wait_future(busy).result, ErrorCode.BUSY)
+        wait_future(handle.cancel_goal_async())
     res = wait_future(result).result
     assert res.success and 0 < len(res.tokens) < 400 and "canceled" in res.message
-    assert res.position == h.node.engine.position  # stopped at a committed boundary
+    second = wait_future(queued).result   # ran once the first had stopped at a committed boundary
+    assert second.success and second.position == res.position + len(h.node.tokenizer.encode("second")) + \
+        len(second.tokens) == h.node.engine.position, second.message
+
+
+def test_a_goal_canceled_while_it_waits_ends_canceled_and_commits_nothing(live):
+    h = live
+    streamed = []
+    handle, result = h.generate(prompt="a long answer", max_new_tokens=400, feedback=streamed.append)
+    deadline = time.monotonic() + 30
+    while len(streamed) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with h.node.engine.lock:
+        waiting_handle, waiting = h.generate(prompt="never run", max_new_tokens=2)
+        while h.node._waiting_goals < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        wait_future(waiting_handle.cancel_goal_async())
+        res = wait_future(waiting).result
+        assert res.success and not res.tokens and "waited" in res.message
+        wait_future(handle.cancel_goal_async())
+    first = wait_future(result).result
+    assert first.success and first.position == h.node.engine.position   # nothing of the second goal
 
 
 def test_a_restore_during_a_goal_stops_it_there_as_preempted(live):

@@ -34,7 +34,6 @@ import py_trees
 from py_trees.common import Access, Status
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
-from rclpy.task import Future
 
 from ..action import Generate as GenerateAction
 from ..errors import ErrorCode
@@ -355,74 +354,48 @@ class Drop(_ServiceCall):
 class Generate(_Call):
     """Run the generate action; the result's tokens and text go to ``result_key``.
 
-    A halt or a timeout cancels the goal on the node (it stops at the next
-    committed boundary); run again, the behaviour sends its new goal once the
-    canceled one has ended (the node runs one goal at a time). A goal canceled
-    by another client is a FAILURE (CANCELED), not a short result. ``temperature`` and
-    ``seed`` are the goal's (0 and -1: greedy, the state's own seed).
+    ``initialise`` sends the goal; ``update`` polls for its acceptance, then for its result. A
+    halt or a timeout cancels the goal (the node stops it at the next committed boundary). A
+    run that starts meanwhile sends its goal at once: the node queues it behind the canceled
+    one (one goal waits at most; a goal beyond that is refused BUSY). A goal canceled by
+    another client is a FAILURE (CANCELED), not a short result. ``temperature`` and ``seed``
+    are the goal's (0 and -1: greedy, the state's own seed).
     """
 
     def __init__(self, name: str, node: Any, result_key: str, prompt: str = "", max_new_tokens: int = 16,
                  server: str = "/flashrt", timeout_s: float = 30.0, error_key: str = "flashrt_error",
                  wait_for_server_s: float = 5.0, temperature: float = 0.0, seed: int = -1) -> None:
         super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
-        self.action = GenerateAction
         self.client = _ActionClient(node, GenerateAction, f"{self.server}/generate")
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
         self.temperature, self.seed = float(temperature), int(seed)
         self._key(result_key, Access.WRITE)
-        self._goal = None
-        self._ending = None     # done once the goal this behaviour canceled or abandoned has ended
-        self._waiting = False   # initialised, goal not sent yet: the canceled one still runs
-        self._sending = False   # the future in flight is a goal request, not yet accepted
-        self._endings: dict = {}   # abandoned goal request -> the future that its goal's end completes
+        self._goal = None   # the accepted goal, while its result is awaited
 
     def _wait_for_server(self, seconds: float) -> None:
         self.client.wait_for_server(timeout_sec=seconds)
 
     def initialise(self) -> None:
-        self._future, self._goal, self._sending = None, None, False
-        self._waiting = True
-        self._deadline = time.monotonic() + self.timeout_s
-        self._send_when_free()
-
-    def _send_when_free(self) -> None:
-        if self._ending is not None and not self._ending.done():
-            return
-        self._ending = None
-        if not self.client.server_is_ready():
-            return
-        self._waiting = False
-        goal = self.action.Goal(prompt=self.prompt, max_new_tokens=self.max_new_tokens,
-                                temperature=self.temperature, seed=self.seed)
-        self._send(self.client.send_goal_async(goal))
-        self._sending = True
+        self._future, self._goal = None, None
+        if self.client.server_is_ready():
+            self._send(self.client.send_goal_async(GenerateAction.Goal(
+                prompt=self.prompt, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                seed=self.seed)))
 
     def update(self) -> Status:
-        if self._waiting:
-            self._send_when_free()
-        if self._waiting:
-            if self._ending is None:
-                return self._fail(NO_SERVER, "generate action server is not available")
-            if time.monotonic() > self._deadline:
-                # Its server may be gone with it (then no end ever comes): stop waiting for
-                # it, so that the next run sends its goal (the node answers BUSY if it still runs).
-                self._ending, self._waiting = None, False
-                return self._fail(TIMEOUT, f"the goal canceled earlier did not end within {self.timeout_s:g} s")
-            return Status.RUNNING
+        if self._future is None and self._goal is None:
+            return self._fail(NO_SERVER, "generate action server is not available")
         answer = self._poll()
         if answer is None:
             return Status.RUNNING
         if isinstance(answer, Status):
             return answer
         if self._goal is None:  # the goal handle arrived: now wait for the result
-            self._sending = False
             if not answer.accepted:
                 return self._fail(ErrorCode.BUSY, "goal rejected")
-            self._goal = answer
-            remaining = self._deadline - time.monotonic()
+            self._goal, deadline = answer, self._deadline
             self._send(answer.get_result_async())
-            self._deadline = time.monotonic() + max(remaining, 0.0)
+            self._deadline = deadline   # one timeout for the whole goal
             return Status.RUNNING
         self._goal = None
         result = answer.result
@@ -438,34 +411,17 @@ class Generate(_Call):
         self._cancel()
         return super()._timed_out()
 
-    def _abandon(self) -> None:
-        if self._sending and self._future is not None:
-            # The node may accept this goal any moment: a run that starts meanwhile must wait
-            # for it to end, or its own goal is refused BUSY (the node runs one at a time).
-            ending = Future()
-            self._endings[self._future] = ending
-            self._ending, self._sending = ending, False
-        super()._abandon()
-
     def _late(self, future) -> None:
         handle = None if future.cancelled() or future.exception() is not None else future.result()
-        ending = self._endings.pop(future, None)
         if getattr(handle, "accepted", False) and hasattr(handle, "cancel_goal_async"):
             handle.cancel_goal_async()  # a goal accepted after its behaviour was halted must not run on
-            if ending is not None:
-                handle.get_result_async().add_done_callback(lambda _: ending.set_result(True))
-                return
-        if ending is not None:
-            ending.set_result(True)   # refused, or never sent: nothing runs
 
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID:
             self._cancel()
-        self._waiting = False
         super().terminate(new_status)
 
     def _cancel(self) -> None:
         if self._goal is not None:
             self._goal.cancel_goal_async()
-            self._ending = self._goal.get_result_async()   # done once the node has stopped it
             self._goal = None

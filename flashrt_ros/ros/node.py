@@ -29,7 +29,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 
 from ..action import Generate
 from ..capsule import CapsuleInfo, signing
-from ..errors import Busy, ErrorCode, InvalidArgument, NotActive, shown
+from ..errors import Busy, ErrorCode, FlashRTError, InvalidArgument, NotActive, shown
 from ..msg import CapsuleEvent, JournalSession, RuntimeStatus
 from ..replay.session import session_of
 from ..runtime import Engine
@@ -50,6 +50,7 @@ from .telemetry import Latencies, diagnostics_msg, status_msg
 _STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
 _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 _DIRTY_POLL_S = 0.05     # "on change" status goes out within this; leases end within it too
+MAX_WAITING_GOALS = 1    # generate goals that wait behind the running one (each holds an executor thread)
 
 
 class _Unasked(NamedTuple):
@@ -78,7 +79,8 @@ class FlashRTNode(LifecycleNode):
         self._configures = 0
         self._label = "unconfigured"
         self._active = False
-        self._generation = threading.Lock()
+        self._generation = threading.Lock()   # held by the goal that runs
+        self._queue_lock, self._waiting_goals = threading.Lock(), 0
         self._latencies = Latencies()
         self._counters = {"requests": 0, "failed_requests": 0, "policy_steps": 0, "rejected_observations": 0,
                           "status_failures": 0}
@@ -389,8 +391,12 @@ class FlashRTNode(LifecycleNode):
 
     def _generate(self, goal_handle) -> Generate.Result:
         result = Generate.Result()
-        if not self._generation.acquire(blocking=False):
-            return self._finish_goal(goal_handle, result, Busy("another generate goal is running; one at a time"))
+        try:
+            if not self._wait_for_turn(goal_handle):   # nothing was committed
+                result.message = "canceled while it waited for the goal before it"
+                return self._finish_goal(goal_handle, result, None)
+        except FlashRTError as exc:
+            return self._finish_goal(goal_handle, result, exc)
         try:
             session = self.session
             if not self._active or session is None:
@@ -401,6 +407,28 @@ class FlashRTNode(LifecycleNode):
         finally:
             self._generation.release()
             self._dirty.set()
+
+    def _wait_for_turn(self, goal_handle) -> bool:
+        """Goals run one at a time, in the order they come, and one waits at most behind the goal
+        running (a behaviour tree's re-run behind the goal it canceled): Busy for a goal beyond
+        that, NotActive if the node leaves the active state meanwhile. True: this goal's turn
+        (``_generation`` is held); False: it was canceled while it waited."""
+        with self._queue_lock:
+            if self._generation.acquire(blocking=False):
+                return True
+            if self._waiting_goals >= MAX_WAITING_GOALS:
+                raise Busy("a generate goal is running and another waits for it; send again once one ends")
+            self._waiting_goals += 1
+        try:
+            while not self._generation.acquire(timeout=_DIRTY_POLL_S):
+                if goal_handle.is_cancel_requested:
+                    return False
+                if not self.context.ok() or not self._active:
+                    raise NotActive(f"node is {self._label}, not active")
+            return True
+        finally:
+            with self._queue_lock:
+                self._waiting_goals -= 1
 
     def _finish_goal(self, goal_handle, result: Generate.Result, exc: BaseException | None) -> Generate.Result:
         if exc is None:
