@@ -252,7 +252,8 @@ def rollback_share(engine: Engine, rounds: int) -> float:
     time: an upper bound there, since the step then cannot run ahead of it."""
     dev, n = engine.device, ROLLBACK_TOKENS
     prompt = _ids(ROLLBACK_PROMPT, 3)
-    boundary, spent = engine._commit, [0.0]
+    live = engine._live
+    boundary, spent = live.commit, [0.0]
 
     def counted(*args) -> None:
         sync(dev)
@@ -265,11 +266,11 @@ def rollback_share(engine: Engine, rounds: int) -> float:
         engine.reset()
         engine.prefill(prompt)
         spent[0] = 0.0
-        engine._commit = counted
+        live.commit = counted
         try:
             step = timed(lambda: engine.generate(n), dev)
         finally:
-            del engine._commit   # the class's own method again
+            del live.commit   # the class's own method again
         return spent[0] / step
 
     result = interleaved({"share": share}, rounds)["share"]

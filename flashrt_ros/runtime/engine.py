@@ -23,11 +23,11 @@ from . import inputs, mtp_head as mtp_head_io, weights as weights_io
 from .arena import StateArena
 from .backends import cpu as cpu_backend
 from .config import ModelConfig
-from .fairlock import FairRLock
 from .decoding import Decoder, Pass
+from .fairlock import FairRLock
 from .history import DECODE, PREFILL, STEP, Base, moved, renewed, unknown
-from .live_state import LiveState, NotFinite
 from .inputs import is_int
+from .live_state import LiveState, NotFinite
 from .models.qwen35 import Qwen35, state_specs
 from .options import EngineOptions
 from .speculative import Speculation, SpeculationStats
