@@ -327,3 +327,30 @@ def test_the_trained_main_model_is_a_checkpoint_the_engine_loads(tmp_path):
     assert (engine.config.vocab_size, engine.config.hidden_size, engine.config.num_hidden_layers) == (260, 512, 8)
     engine.prefill([256, *b"def "])
     assert len(engine.generate(4, speculative=2)) == 4
+
+
+@needs_kernels
+def test_a_pass_interrupted_between_its_commits_leaves_the_last_boundary_it_committed(monkeypatch):
+    """A pass commits its tokens one boundary each; a fault after the first leaves that one live,
+    with the bytes plain decode has there, not the arena of the pass's last token."""
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+    plain, digests, _ = _plain(engine, PROMPT, 24)
+    engine.reset()
+    engine.prefill(PROMPT)
+    _known_drafts(engine, PROMPT, plain, wrong=0.0)
+    live, commits = engine._live, []
+    real = live.commit
+
+    def failing(*args, **kwargs):
+        commits.append(args)
+        if len(commits) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(live, "commit", failing)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(8, speculative=3)
+    monkeypatch.undo()
+    assert engine.position == len(PROMPT) + 1
+    assert engine.state_digest() == digests[engine.position]
+    assert engine.generate(4) == plain[1:5]

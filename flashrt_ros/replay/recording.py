@@ -174,10 +174,15 @@ class _Builder:
         op = requested(kind, req, self._session["default_tier"])
         if isinstance(op, Snapshot) and code == 0:
             # The node's repeat rule: a repeat was answered with the earlier capsule, nothing changed.
-            if self._answered.earlier(op.request_id, op.fields) is not None:
+            # An id answered with other fields was another session's (the node reconfigured).
+            try:
+                repeat = self._answered.earlier(op.request_id, op.matched) is not None
+            except InvalidArgument:
+                repeat = False
+            if repeat:
                 self.recording.skipped_calls += 1
                 return
-            self._answered.remember(op.request_id, op.fields, resp.capsule_id)
+            self._answered.remember(op.request_id, op.matched, resp.capsule_id)
         self._add(op, outcome)
 
     def finish(self) -> None:

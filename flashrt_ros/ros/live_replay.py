@@ -204,7 +204,7 @@ def _service_request(srv: Any, op: ops.Operation, ids: dict[str, str]) -> Any:
         return ids.get(capsule_id, capsule_id)
 
     if isinstance(op, ops.Snapshot):   # the tier as the client sent it: a repeat is matched by it
-        return srv.Request(name=op.name, tier=op.fields[1], pin=op.pin, request_id=op.request_id, lease_s=op.lease_s)
+        return srv.Request(name=op.name, tier=op.matched[1], pin=op.pin, request_id=op.request_id, lease_s=op.lease_s)
     if isinstance(op, ops.Fork):
         return srv.Request(source_id=mapped(op.source_id), name=op.name, lease_s=op.lease_s)
     if isinstance(op, ops.Restore):

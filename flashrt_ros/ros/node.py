@@ -394,6 +394,7 @@ class FlashRTNode(LifecycleNode):
         try:
             if not self._wait_for_turn(goal_handle):   # nothing was committed
                 result.message = "canceled while it waited for the goal before it"
+                result.position = self.engine.position if self.engine is not None else 0
                 return self._finish_goal(goal_handle, result, None)
         except FlashRTError as exc:
             return self._finish_goal(goal_handle, result, exc)
@@ -409,7 +410,7 @@ class FlashRTNode(LifecycleNode):
             self._dirty.set()
 
     def _wait_for_turn(self, goal_handle) -> bool:
-        """Goals run one at a time, in the order they come, and one waits at most behind the goal
+        """Goals run one at a time, and one waits at most behind the goal
         running (a behaviour tree's re-run behind the goal it canceled): Busy for a goal beyond
         that, NotActive if the node leaves the active state meanwhile. True: this goal's turn
         (``_generation`` is held); False: it was canceled while it waited."""

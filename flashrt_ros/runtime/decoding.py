@@ -3,7 +3,7 @@ policy step (a captured CUDA graph where the engine has them), and the speculati
 
 Each call leaves the arena as after the rows it computed and returns what it computed
 (tokens, margins, per-row states). Which boundaries that makes, and undoing a call that
-fails part-way, is the engine's (``history``): nothing here knows about boundaries.
+fails part-way, is ``live_state.LiveState``'s: nothing here knows about boundaries.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .speculative import Speculation
 
 @dataclass(frozen=True, slots=True)
 class Pass:
-    """What one speculative pass committed: the tokens [m] (the main model's own choice, then
+    """What one speculative pass keeps: the tokens [m] (the main model's own choice, then
     the accepted drafts), each choice's margin [m], the fixed-size state after each token
     [m, fixed_bytes] (the arena holds the last), the logits [1, vocab] that follow the last
     token, and ``end``, the position after it."""

@@ -98,10 +98,10 @@ class LiveState:
         """A pass of ``drafts`` drafts (``Decoder.speculate``), each token it keeps its own boundary.
         ``last``: the previous pass, whose logits follow its end."""
         at = self.state.position
-        with self.committed_whole():
+        with self.committed_whole():   # interrupted between two commits: back to the last one made
             done = self.decoder.speculate(at, drafts, sampled, last.follows if last and last.end == at else None)
-        for image in done.states:
-            self.commit(DECODE, 1, image=image)
+            for image in done.states:
+                self.commit(DECODE, 1, image=image)
         return done
 
     # ---- back ------------------------------------------------------------------------------------
@@ -128,10 +128,11 @@ class LiveState:
         # What the replay may change, kept so that a failed one changes nothing: the fixed
         # block, and (once the start is known) the rows it rewrites.
         fixed = self.arena.buffer[:self.arena.fixed_bytes].clone()
-        start = self._replay_start(state, target, capsules)
-        rows = [(view, view[start.position:target].clone())
-                for r, view in self.arena.live_views(self.model.rows.numel()) if r.per_token]
+        rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
+            start = self._replay_start(state, target, capsules)
+            rows = [(view[start.position:target], view[start.position:target].clone())
+                    for r, view in self.arena.live_views(self.model.rows.numel()) if r.per_token]
             self.state = start
             for kind, first, count in between(state.log, start.position, target):
                 self._replay(kind, first, count, *logged)
@@ -141,7 +142,7 @@ class LiveState:
         except BaseException:
             self.arena.buffer[:self.arena.fixed_bytes].copy_(fixed)
             for view, saved in rows:
-                view[start.position:target].copy_(saved)
+                view.copy_(saved)
             # The steps back the ring held may be overwritten: the state is the one before, alone.
             self.state = moved(state, state.position, state.log, self.ring_at(state.position), state.base)
             raise

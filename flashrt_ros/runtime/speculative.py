@@ -65,8 +65,7 @@ Drafter = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 class Speculation:
-    """The verify's fixed-block images, the drafter, and the rule that switches speculation off
-    while it does not pay.
+    """The drafter, the counts, and the rule that switches speculation off while it does not pay.
 
     ``drafter`` is the MTP layer (``Qwen35.draft`` over the draft vocabulary); a benchmark or a
     test may set another one (it must leave the arena as the MTP layer's does, which calling

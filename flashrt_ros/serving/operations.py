@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..capsule import CapsuleInfo
@@ -69,7 +70,7 @@ class Step(Operation):
 
     def journaled(self) -> dict[str, Any]:
         obs = self.observation
-        return {"observation": obs.tolist() if isinstance(obs, torch.Tensor) else list(obs)}
+        return {"observation": obs.tolist() if isinstance(obs, torch.Tensor) else np.asarray(obs).tolist()}
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,13 @@ class Snapshot(Operation):
     lease_s: float = 0.0
 
     @property
-    def fields(self) -> tuple:
+    def matched(self) -> tuple:
         """What a repeat of its request_id must ask again."""
         return (self.name, self.tier if self.requested_tier is None else self.requested_tier, bool(self.pin))
 
     def journaled(self) -> dict[str, Any]:
         return {"name": self.name, "tier": self.tier, "pin": self.pin, "request_id": self.request_id,
-                "requested_tier": self.fields[1], "lease_s": self.lease_s}
+                "requested_tier": self.matched[1], "lease_s": self.lease_s}
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,13 @@ def requested(kind: str, request: Any, default_tier: str) -> Operation:
     live state that names no tier goes."""
     if kind == SNAPSHOT:
         return Snapshot(request.name, request.tier or default_tier, bool(request.pin), request.request_id,
-                        request.tier, request.lease_s)
+                        request.tier, float(request.lease_s))
     if kind == FORK:
-        return Fork(request.source_id, request.name, default_tier, request.lease_s)
+        return Fork(request.source_id, request.name, default_tier, float(request.lease_s))
     if kind == RESTORE:
         return Restore(request.capsule_id, bool(request.verify))
     if kind == ROLLBACK:
-        return Rollback(request.steps, request.to_position)
+        return Rollback(int(request.steps), int(request.to_position))
     if kind == DROP:
         return Drop(request.capsule_id)
     raise InvalidArgument(f"no capsule service asks for {kind!r}")
@@ -241,13 +242,13 @@ class Rules:
 
     def _snapshot(self, op: Snapshot, engine: Any) -> Applied:
         lease = lease_rules.check(op.lease_s)
-        earlier = self.requests.earlier(op.request_id, op.fields)
+        earlier = self.requests.earlier(op.request_id, op.matched)
         if earlier is not None:
             # Its capsule may have gone since (dropped, evicted): then the lookup refuses.
             info: CapsuleInfo = engine.capsules.get(earlier, wait=False)
             self.leases.renew(info.id)
             return Applied(info, {"capsule_id": info.id}, repeat=True)
         info = engine.snapshot(name=op.name or None, tier=op.tier, pin=bool(op.pin))
-        self.requests.remember(op.request_id, op.fields, info.id)
+        self.requests.remember(op.request_id, op.matched, info.id)
         self.leases.grant(info.id, lease)
         return Applied(info, {"capsule_id": info.id})
