@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,3 +31,46 @@ def start_node(log: IO[str], *params: str) -> subprocess.Popen:
     for param in params:
         args += ["-p", param]
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+
+class NodeClient:
+    """A client node of its own in this process, for the installed node serving in another:
+    the capsule services named, the generate action, and an executor spinning them."""
+
+    def __init__(self, name: str, services: dict[str, Any]) -> None:
+        import rclpy
+        from rclpy.action import ActionClient
+        from rclpy.context import Context
+        from rclpy.executors import SingleThreadedExecutor
+
+        from flashrt_ros.action import Generate
+
+        self.context = Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node(name, context=self.context)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.services = services
+        # Every client before the spin thread: Kilted's rclpy registers an ActionClient with its
+        # node before the client has its lock, which an executor spinning the node can trip on.
+        self.clients = {k: self.node.create_client(t, f"/flashrt/{k}") for k, t in services.items()}
+        self.actions = ActionClient(self.node, Generate, "/flashrt/generate")
+        threading.Thread(target=self.executor.spin, daemon=True).start()
+
+    def call(self, service: str, **fields: Any) -> Any:
+        """The service's answer, asked again while the node is not active yet (autostart: the
+        services exist before activation ends)."""
+        from flashrt_ros.errors import ErrorCode
+        from ros_harness import wait_future
+
+        deadline = time.monotonic() + 60
+        while True:
+            response = wait_future(self.clients[service].call_async(self.services[service].Request(**fields)), 60)
+            if response.error_code != ErrorCode.NOT_ACTIVE or time.monotonic() > deadline:
+                return response
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.node.destroy_node()
+        self.context.try_shutdown()

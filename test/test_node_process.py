@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("rclpy")
 
 from flashrt_ros.errors import ErrorCode  # noqa: E402
-from install_space import EXECUTABLES, start_node  # noqa: E402
+from install_space import EXECUTABLES, NodeClient, start_node  # noqa: E402
 from ros_harness import SERVICES, wait_future  # noqa: E402
 
 EXECUTABLE = EXECUTABLES / "flashrt_node"
@@ -20,42 +20,17 @@ EXECUTABLE = EXECUTABLES / "flashrt_node"
 
 @pytest.mark.skipif(not EXECUTABLE.exists(), reason="needs the colcon install space (make test builds it)")
 def test_installed_node_serves_another_process_and_stops_on_sigterm(monkeypatch, tmp_path):
-    import rclpy
-    from rclpy.action import ActionClient
-    from rclpy.context import Context
-    from rclpy.executors import SingleThreadedExecutor
-
     from flashrt_ros.action import Generate
 
     # Both processes: discovery on this host only, in this run's private domain.
     monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     log = open(tmp_path / "node.log", "w+")
     proc = start_node(log, "max_seq_len:=512", f"capsule_dir:={tmp_path / 'capsules'}")
-    context = Context()
-    rclpy.init(context=context)
-    client = rclpy.create_node("flashrt_process_test", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(client)
-    import threading
-
-    # Every client before the spin thread: Kilted's rclpy registers an ActionClient with its
-    # node before the client has its lock, which an executor spinning the node can trip on.
-    clients = {k: client.create_client(t, f"/flashrt/{k}") for k, t in SERVICES.items()}
-    actions = ActionClient(client, Generate, "/flashrt/generate")
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    client = NodeClient("flashrt_process_test", SERVICES)
+    call, actions = client.call, client.actions
     try:
-        for c in clients.values():
+        for c in client.clients.values():
             assert c.wait_for_service(timeout_sec=90), "node process did not come up:\n" + _tail(log)
-
-        def call(service, **fields):
-            request = SERVICES[service].Request(**fields)
-            deadline = time.monotonic() + 60
-            while True:  # autostart: the services exist before activation ends
-                response = wait_future(clients[service].call_async(request), 60)
-                if response.error_code != ErrorCode.NOT_ACTIVE or time.monotonic() > deadline:
-                    return response
-                time.sleep(0.2)
 
         assert call("list_capsules").success
         assert actions.wait_for_server(timeout_sec=30)
@@ -94,9 +69,7 @@ def test_installed_node_serves_another_process_and_stops_on_sigterm(monkeypatch,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        executor.shutdown()
-        client.destroy_node()
-        context.try_shutdown()
+        client.close()
 
 
 def _tail(log) -> str:

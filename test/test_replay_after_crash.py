@@ -6,8 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ pytest.importorskip("rosbags")
 from flashrt_ros.replay.bag import any_reader, read_bag  # noqa: E402
 from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
 from flashrt_ros.replay.salvage import complete_bag, unfinished  # noqa: E402
-from install_space import EXECUTABLES, start_node  # noqa: E402
+from install_space import EXECUTABLES, NodeClient, start_node  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "bags" / "attempt_with_rollback"
@@ -98,58 +96,34 @@ def test_a_bag_cut_anywhere_keeps_every_operation_written_in_full_before_the_cut
 @pytest.mark.skipif(not EXECUTABLE.exists(), reason="needs the colcon install space (make test builds it)")
 def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeypatch, tmp_path):
     pytest.importorskip("rclpy")
-    import rclpy
-    from rclpy.action import ActionClient
-    from rclpy.context import Context
-    from rclpy.executors import SingleThreadedExecutor
-
     from flashrt_ros.action import Generate
-    from flashrt_ros.errors import ErrorCode
     from ros_harness import SERVICES, wait_future
 
     monkeypatch.setenv("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     journal = tmp_path / "journal"
     log = open(tmp_path / "node.log", "w+")
     proc = start_node(log, "max_seq_len:=256", f"journal_path:={journal}")
-    context = Context()
-    rclpy.init(context=context)
-    client = rclpy.create_node("flashrt_crash_test", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(client)
-    clients = {k: client.create_client(SERVICES[k], f"/flashrt/{k}") for k in ("snapshot", "rollback")}
-    actions = ActionClient(client, Generate, "/flashrt/generate")
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
-
-    def call(service, **fields):
-        deadline = time.monotonic() + 60
-        while True:   # autostart: the services exist before activation ends
-            response = wait_future(clients[service].call_async(SERVICES[service].Request(**fields)), 60)
-            if response.error_code != ErrorCode.NOT_ACTIVE or time.monotonic() > deadline:
-                return response
-            time.sleep(0.2)
+    client = NodeClient("flashrt_crash_test", {k: SERVICES[k] for k in ("snapshot", "rollback")})
 
     def generate(prompt):
-        handle = wait_future(actions.send_goal_async(Generate.Goal(prompt=prompt, max_new_tokens=6)), 60)
+        handle = wait_future(client.actions.send_goal_async(Generate.Goal(prompt=prompt, max_new_tokens=6)), 60)
         return wait_future(handle.get_result_async(), 60).result
 
     try:
-        for c in clients.values():
+        for c in client.clients.values():
             assert c.wait_for_service(timeout_sec=90), "node process did not come up"
-        assert call("snapshot", name="before").success   # also waits for activation
-        assert actions.wait_for_server(timeout_sec=30)
+        assert client.call("snapshot", name="before").success   # also waits for activation
+        assert client.actions.wait_for_server(timeout_sec=30)
         first = generate("the arm reached")
         assert first.success, first.message
-        assert call("snapshot", name="mid").success
-        assert call("rollback", steps=2, to_position=-1).success
+        assert client.call("snapshot", name="mid").success
+        assert client.call("rollback", steps=2, to_position=-1).success
         second = generate(" and then")
         assert second.success, second.message
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=15)
-        executor.shutdown()
-        client.destroy_node()
-        context.try_shutdown()
+        client.close()
     (bag,) = journal.glob("session-*")
     assert unfinished(bag) == "no metadata.yaml"
     # In a process of its own, as a user runs it: it starts at the kernels the node recorded.

@@ -14,6 +14,25 @@ from flashrt_ros.sim.arm import JOINT_NAMES, Arm  # noqa: E402
 from flashrt_ros.sim.task import ATTEMPT_STEPS, SUCCESS_RADIUS_M, Episode, distance, expert  # noqa: E402
 
 
+
+def _spin(ros_context, *nodes):
+    """An executor spinning ``nodes`` on a thread of its own; what it returns stops it and
+    destroys them."""
+    from rclpy.executors import SingleThreadedExecutor
+
+    executor = SingleThreadedExecutor(context=ros_context)
+    for node in nodes:
+        executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+
+    def stop() -> None:
+        executor.shutdown()
+        spinner.join(5)
+        for node in nodes:
+            node.destroy_node()
+    return stop
+
 def _run(seed: int, jam: bool = False) -> list[np.ndarray]:
     arm = Arm()
     episode = Episode.sample(seed)
@@ -67,7 +86,6 @@ def test_a_command_in_another_joint_order_is_taken_by_name():
 
 
 def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(ros_context):
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
     from rclpy.qos import DurabilityPolicy, QoSProfile
     from geometry_msgs.msg import PoseStamped
@@ -92,11 +110,7 @@ def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(r
                                QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
     commands = client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
     jam = client.create_client(SetBool, "/flashrt_sim/jam")
-    executor = SingleThreadedExecutor(context=ros_context)
-    executor.add_node(sim)
-    executor.add_node(client)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    stop = _spin(ros_context, sim, client)
 
     def wait(what, n, timeout=10.0):
         deadline = time.monotonic() + timeout
@@ -153,14 +167,10 @@ def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(r
             wait(states, len(states) + 1)
         assert abs(states[-1].position[0] - held) < 1e-3   # jammed
     finally:
-        executor.shutdown()
-        spinner.join(5)
-        sim.destroy_node()
-        client.destroy_node()
+        stop()
 
 
 def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_time(ros_context):
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
     from sensor_msgs.msg import JointState
 
@@ -172,11 +182,7 @@ def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_tim
     client = rclpy.create_node("sim_timer_client", context=ros_context)
     states = []
     client.create_subscription(JointState, "/joint_states", states.append, 100)
-    executor = SingleThreadedExecutor(context=ros_context)
-    executor.add_node(sim)
-    executor.add_node(client)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    stop = _spin(ros_context, sim, client)
     try:
         deadline = time.monotonic() + 10
         while len(states) < 20:   # 20 control periods: 1 s of simulation time, 0.1 s of wall clock at 10x
@@ -185,17 +191,13 @@ def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_tim
         stamps = [s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 for s in states[-10:]]
         assert all(abs((b - a) - 0.05) < 1e-9 for a, b in zip(stamps, stamps[1:]))   # one period each
     finally:
-        executor.shutdown()
-        spinner.join(5)
-        sim.destroy_node()
-        client.destroy_node()
+        stop()
 
 
 def test_the_sim_node_refuses_out_of_range_parameters_answers_every_reset_and_drops_huge_commands(ros_context):
     from rcl_interfaces.msg import Parameter as ParameterMsg
     from rcl_interfaces.msg import ParameterType, ParameterValue
     from rcl_interfaces.srv import SetParameters
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
     from sensor_msgs.msg import JointState
     from std_srvs.srv import Trigger
@@ -215,11 +217,7 @@ def test_the_sim_node_refuses_out_of_range_parameters_answers_every_reset_and_dr
     commands = client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
     setter = client.create_client(SetParameters, "/flashrt_sim/set_parameters")
     reset = client.create_client(Trigger, "/flashrt_sim/reset")
-    executor = SingleThreadedExecutor(context=ros_context)
-    executor.add_node(sim)
-    executor.add_node(client)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    stop = _spin(ros_context, sim, client)
 
     def set_parameter(name, value):
         kind = ParameterType.PARAMETER_INTEGER if isinstance(value, int) else ParameterType.PARAMETER_STRING
@@ -263,7 +261,4 @@ def test_the_sim_node_refuses_out_of_range_parameters_answers_every_reset_and_dr
             time.sleep(0.01)
         assert sim.refused == 1
     finally:
-        executor.shutdown()
-        spinner.join(5)
-        sim.destroy_node()
-        client.destroy_node()
+        stop()
