@@ -41,7 +41,7 @@ def test_attempt_with_rollback_succeeds_after_rolling_back(live):
     assert grasps["grasp 1"].attempts == grasps["grasp 2"].attempts == 1   # failed, rolled back, succeeded
     assert next(b for b in root.iterate() if b.name == "roll back 1").status == Status.SUCCESS
     assert live.node.engine.capsules.list() == []      # the checkpoint was released
-    assert live.node._counters["policy_steps"] == 12
+    assert live.node.report.counters["policy_steps"] == 12
 
 
 def test_a_failed_rollback_ends_the_tree_without_a_retry_and_drops_the_checkpoint(live):
@@ -326,7 +326,7 @@ def test_generate_halted_mid_goal_is_canceled_on_the_node(live):
     position = live.node.engine.position
     time.sleep(0.3)
     assert live.node.engine.position == position < 400  # the node stopped generating
-    assert not live.node._generation.locked()
+    assert not live.node.goals.running()
 
 
 def test_generate_run_again_after_a_halt_waits_for_the_canceled_goal(live):

@@ -134,7 +134,7 @@ def test_the_node_signs_with_its_key_file_answers_untrusted_capsule_and_refuses_
     missing = Harness(ros_context, {"capsule_key_file": str(tmp_path / "absent")}, activate=False)
     try:
         missing.node.trigger_configure()
-        assert missing.node.engine is None and missing.node._label == "unconfigured"
+        assert missing.node.engine is None and missing.node.label == "unconfigured"
     finally:
         missing.close()
 

@@ -106,7 +106,7 @@ def test_policy_steps_publish_actions_equal_to_the_engine(ros_context):
         while len(actions) < 5 and time.monotonic() < deadline + 10:
             time.sleep(0.02)
         assert len(actions) == 5
-        assert h.node._counters["rejected_observations"] == 2
+        assert h.node.report.counters["rejected_observations"] == 2
         assert h.node.engine.position == 5
         # Policy steps change the state: "on change" status follows them, not only service calls.
         while (not statuses or statuses[-1].position != 5) and time.monotonic() < deadline + 10:
@@ -335,15 +335,15 @@ def test_observations_during_a_goal_are_dropped_not_interleaved_with_its_tokens(
         reference.prefill(prompt)
         assert list(answer.tokens) == reference.generate(len(answer.tokens))
         deadline = time.monotonic() + 10
-        while h.node._counters["rejected_observations"] == 0 and time.monotonic() < deadline:
+        while h.node.report.counters["rejected_observations"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert sent > 0 and h.node._counters["rejected_observations"] > 0
+        assert sent > 0 and h.node.report.counters["rejected_observations"] > 0
         # Once the goal is over, observations are steps again.
-        steps = h.node._counters["policy_steps"]
+        steps = h.node.report.counters["policy_steps"]
         joints.publish(_joint_state([0.2] * 7))
-        while h.node._counters["policy_steps"] == steps and time.monotonic() < deadline:
+        while h.node.report.counters["policy_steps"] == steps and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert h.node._counters["policy_steps"] == steps + 1
+        assert h.node.report.counters["policy_steps"] == steps + 1
     finally:
         h.close()
 
@@ -382,19 +382,19 @@ def test_a_pose_too_far_from_the_joint_state_by_stamps_is_not_paired_with_it(ros
         time.sleep(0.3)
 
         def send(msg) -> None:
-            before = (len(actions), h.node._counters["rejected_observations"])
+            before = (len(actions), h.node.report.counters["rejected_observations"])
             joints.publish(msg)
             end = time.monotonic() + 10
-            while (len(actions), h.node._counters["rejected_observations"]) == before and time.monotonic() < end:
+            while (len(actions), h.node.report.counters["rejected_observations"]) == before and time.monotonic() < end:
                 time.sleep(0.01)
 
         send(stamped(_joint_state([0.1] * 7), 100, 400_000_000))   # 0.4 s apart: within 0.5
         send(stamped(_joint_state([0.1] * 7), 101))                # 1 s apart: dropped
         send(_joint_state([0.1] * 7))                              # unstamped: not checked
-        assert (len(actions), h.node._counters["rejected_observations"]) == (2, 1)
+        assert (len(actions), h.node.report.counters["rejected_observations"]) == (2, 1)
         assert h.node.set_parameters([Parameter("policy.max_pose_age", value=0.0)])[0].successful
         send(stamped(_joint_state([0.1] * 7), 160))                # a minute apart, check off
-        assert (len(actions), h.node._counters["rejected_observations"]) == (3, 1)
+        assert (len(actions), h.node.report.counters["rejected_observations"]) == (3, 1)
         assert not h.node.set_parameters([Parameter("policy.max_pose_age", value=-1.0)])[0].successful
     finally:
         h.close()

@@ -314,7 +314,7 @@ def test_generate_refusals_and_cancel(live):
         assert h.node.generating()
         _, queued = h.generate(prompt="second", max_new_tokens=2)
         deadline = time.monotonic() + 30
-        while h.node._waiting_goals < 1 and time.monotonic() < deadline:
+        while h.node.goals.waiting < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
         _, busy = h.generate(prompt="third", max_new_tokens=2)
         _refused(wait_future(busy).result, ErrorCode.BUSY)
@@ -335,7 +335,7 @@ def test_a_goal_canceled_while_it_waits_ends_canceled_and_commits_nothing(live):
         time.sleep(0.005)
     with h.node.engine.lock:
         waiting_handle, waiting = h.generate(prompt="never run", max_new_tokens=2)
-        while h.node._waiting_goals < 1 and time.monotonic() < deadline:
+        while h.node.goals.waiting < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
         wait_future(waiting_handle.cancel_goal_async())
         res = wait_future(waiting).result
@@ -583,15 +583,15 @@ def test_a_rollback_past_the_ring_names_the_capsule_it_started_from(live):
 
 def test_a_request_whose_handler_raises_costs_that_answer_not_the_services(live):
     h = live
-    serve = h.node._serve
+    serve = h.node._answer
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault outside the request's own error handling")
 
-    h.node._serve = broken
+    h.node._answer = broken
     with pytest.raises(TimeoutError):
         h.call("list_capsules", timeout=2)
-    h.node._serve = serve
+    h.node._answer = serve
     _ok(h.call("list_capsules"))
     _ok(h.call("snapshot"))
     assert h.node._capsule_services.alive and h.node._capsule_services.failures == 1
@@ -610,13 +610,13 @@ def test_a_status_the_engine_cannot_give_is_counted_and_the_node_serves_on(live)
     engine.state_digest = faulty
     try:
         h.node.session._version += 1   # a new state: the status must hash it
-        h.node._dirty.set()
+        h.node.report.dirty.set()
         deadline = time.monotonic() + 10
-        while h.node._counters["status_failures"] == 0 and time.monotonic() < deadline:
+        while h.node.report.counters["status_failures"] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         engine.state_digest = digest
-    assert h.node._counters["status_failures"] >= 1 and h._thread.is_alive()
+    assert h.node.report.counters["status_failures"] >= 1 and h._thread.is_alive()
     _ok(h.call("snapshot"))
     _, result = h.generate("hello", max_new_tokens=2)   # the action server shares the timer's executor
     assert wait_future(result).result.success
@@ -626,14 +626,14 @@ def test_a_pose_from_before_cleanup_is_forgotten(live):
     from geometry_msgs.msg import PoseStamped
 
     h = live
-    io = h.node._policy_io
+    io = h.node.served.policy
     io._on_pose(PoseStamped())
     assert io._latest_pose is not None
     h.node.trigger_deactivate()
     h.node.trigger_cleanup()
-    assert h.node._policy_io is None   # the pose went with it
+    assert h.node.served is None   # the pose went with it
     h.node.trigger_configure()
-    assert h.node._policy_io._latest_pose is None
+    assert h.node.served.policy._latest_pose is None
 
 
 @contextmanager
@@ -667,14 +667,14 @@ def test_a_status_or_event_that_meets_a_shut_down_context_is_dropped_quietly(cap
     from ros_harness import SERVICES
 
     with _active_node_in_a_context_of_its_own("flashrt_stopping") as (context, node):
-        node._publish_status()
-        assert node._counters["status_failures"] == 0
+        node.publish_status()
+        assert node.report.counters["status_failures"] == 0
         context.shutdown()
         capfd.readouterr()
-        node._publish_status()
+        node.publish_status()
         answer = SERVICES["snapshot"].Response(success=True, position=0, latency_ms=0.1)
-        node._publish_event("snapshot", None, answer)
-        assert node._counters["status_failures"] == 0
+        node.report.event("snapshot", None, answer)
+        assert node.report.counters["status_failures"] == 0
         assert "Traceback" not in capfd.readouterr().err
 
 
@@ -698,9 +698,9 @@ def test_a_generate_goal_cut_by_shutdown_ends_without_a_traceback(capfd):
         # context; Kilted's destroys the node first, and the goal finds it inactive.
         context.shutdown()
         deadline = time.monotonic() + 30
-        while h.node._generation.locked() and time.monotonic() < deadline:
+        while h.node.goals.running() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not h.node._generation.locked(), "the goal did not end after the shutdown"
+        assert not h.node.goals.running(), "the goal did not end after the shutdown"
         assert engine.position < 400
         err = capfd.readouterr().err
         assert "Traceback" not in err, err

@@ -85,7 +85,7 @@ def test_storm_of_clients_equals_its_sequential_replay(ros_context):
         assert not failures, failures
         assert len(answers) == 3 * 25 + 2
         assert all(code != ErrorCode.INTERNAL for _, code in answers), answers
-        assert h.node._counters["policy_steps"] > 0
+        assert h.node.report.counters["policy_steps"] > 0
         kinds = {e.kind for e in journal.entries}
         assert {"prefill", "decode", "step", "snapshot", "restore"} <= kinds, kinds
 

@@ -83,9 +83,9 @@ def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_contex
         assert list(last.joint_names) == JOINTS and len(last.points) == 1 and len(last.points[0].positions) == 3
         assert (last.header.stamp.sec, last.header.stamp.nanosec) == (12, 0)   # the joint state it answers
 
-        rejected = h.node._counters["rejected_observations"]
+        rejected = h.node.report.counters["rejected_observations"]
         step(20.0, frame="world", answered=False)   # the pose is refused: the joint state is too far from the last
-        _until(lambda: h.node._counters["rejected_observations"] > rejected, what="a refusal")
+        _until(lambda: h.node.report.counters["rejected_observations"] > rejected, what="a refusal")
     finally:
         h.close()
 
@@ -108,7 +108,7 @@ def test_a_full_context_is_said_once_with_context_full(ros_context):
         for k in range(19):
             joints.publish(_messages(h, 1.0)[1])
             time.sleep(0.05)
-        _until(lambda: h.node._counters["rejected_observations"] == 3, what="three refused steps")
+        _until(lambda: h.node.report.counters["rejected_observations"] == 3, what="three refused steps")
         assert h.node.engine.position == 16
         full = [e for e in events if e.kind == "context_full"]
         assert len(full) == 1 and full[0].error_code == ErrorCode.CONTEXT_FULL and "max_seq_len=16" in full[0].message

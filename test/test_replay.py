@@ -208,7 +208,7 @@ def test_cleanup_frees_the_engine_even_when_the_journal_folder_is_gone(ros_conte
             shutil.rmtree(folder)
         h.node.trigger_deactivate()
         h.node.trigger_cleanup()
-        assert h.node.engine is None and h.node._label == "unconfigured"
+        assert h.node.engine is None and h.node.label == "unconfigured"
         h.node.trigger_configure()
         h.node.trigger_activate()
         assert h.call("snapshot").success

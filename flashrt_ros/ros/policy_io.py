@@ -32,6 +32,7 @@ from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..errors import ContextFull, FlashRTError, InvalidArgument
+from ..serving import Session
 from ..serving.observation import paired, with_goal
 from .convert import outcome
 from .spinning import spin_until_shutdown
@@ -93,10 +94,10 @@ class PolicyIO:
         self._thread.join(5.0)
         self._io.destroy_node()
 
-    def start_episodes(self) -> None:
+    def start_episodes(self, session: Session) -> None:
         """With goals: the capsule each goal restores (the state as configure left it)."""
         if self._goal_mode:
-            self._episode_id = self._node.session.snapshot(name=EPISODE_CAPSULE, pin=True).info.id
+            self._episode_id = session.snapshot(name=EPISODE_CAPSULE, pin=True).info.id
 
     # ---- inputs -------------------------------------------------------------------------------------
     def _in_frame(self, msg: PoseStamped, topic: str) -> bool:
