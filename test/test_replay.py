@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("rosbags")
 from flashrt_ros.replay.bag import read_bag, write_bag  # noqa: E402
 from flashrt_ros.replay.cli import main as replay_main  # noqa: E402
 from flashrt_ros.replay.session import cpu_name  # noqa: E402
+from flashrt_ros.serving.record import SessionRecord  # noqa: E402
 from install_space import EXECUTABLES, PREFIX  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,12 +30,12 @@ def _replay_process(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, cwd=Path(args[0]).parent)   # not the source tree: the installed package
 
 
-def _passes(done: subprocess.CompletedProcess, session: dict) -> None:
+def _passes(done: subprocess.CompletedProcess, session: SessionRecord) -> None:
     """A replay of a bag from ``session`` passed its verdict: exact on the recording's platform
     (the same CPU vendor and model, and the recorded vector kernels, which the command steps
     down to), portable on any other, where the products round differently in their low bits."""
     assert done.returncode == 0, done.stdout + done.stderr
-    recorded, here = session.get("cpu", ""), cpu_name()
+    recorded, here = session.cpu, cpu_name()
     if recorded == here and "platform: the recording's" in done.stdout:
         assert "exact:    identical" in done.stdout and "verdict applied: exact" in done.stdout, done.stdout
     else:
@@ -72,7 +74,7 @@ def test_a_recorded_session_with_capsule_calls_replays_identically_and_tampering
         assert replay_main([str(tmp_path / f"tampered-{kind}")]) == 1
         err = capsys.readouterr().err
         assert f"seq={seq} ({kind})" in err, err
-        assert f"recorded with torch {journal.session['torch']}" in err, err
+        assert f"recorded with torch {journal.session.torch}" in err, err
         assert err.count(cpu_name()) == 2, err   # recorded here, replayed here
 
 
@@ -82,7 +84,7 @@ def test_the_committed_bag_replays_with_the_installed_command(tmp_path):
     kinds = [e.kind for e in read_bag(COMMITTED).entries]
     assert kinds.count("decode") == 8 and {"prefill", "step", "snapshot", "rollback", "drop"} <= set(kinds)
     # Recorded at the kernels of every x86 machine: an AVX-512 one replays it by stepping down.
-    assert read_bag(COMMITTED).session["aten_cpu_capability"] == "AVX2"
+    assert read_bag(COMMITTED).session.aten_cpu_capability == "AVX2"
     if not REPLAY.exists():
         pytest.skip("needs the colcon install space (make test builds it)")
     ok = subprocess.run([str(REPLAY), str(COMMITTED)], capture_output=True, text=True, timeout=120)
@@ -246,7 +248,7 @@ def test_a_session_that_restores_a_capsule_found_on_disk_at_start_replays(ros_co
 
     _session(ros_context, tmp_path, {"capsule_dir": str(capsules)}, work)
     second = sorted((tmp_path / "journal").glob("session-*"))[-1]
-    assert [c["id"] for c in read_bag(second).session["preloaded"]] == [p.stem for p in capsules.glob("*.capsule")]
+    assert [i for i, _ in read_bag(second).session.preloaded] == [p.stem for p in capsules.glob("*.capsule")]
     assert replay_main([str(second)]) == 0
     moved = tmp_path / "moved"
     shutil.move(capsules, moved)
@@ -263,10 +265,10 @@ def test_damaged_bags_and_impossible_sessions_exit_2_with_a_reason(tmp_path, cap
     shutil.copytree(COMMITTED, garbled)
     (garbled / "metadata.yaml").write_text("{[: not yaml")
     journal = read_bag(COMMITTED)
-    journal.session["torch_threads"] = 0
+    journal.session = replace(journal.session, torch_threads=0)
     write_bag(tmp_path / "threads", journal)
     journal = read_bag(COMMITTED)
-    journal.session["version"] = 99
+    journal.session = replace(journal.session, version=99)
     write_bag(tmp_path / "version", journal)
     for bag in (truncated, garbled, tmp_path / "threads", tmp_path / "version"):
         assert replay_main([str(bag)]) == 2

@@ -22,6 +22,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from ..errors import InvalidArgument
 from ..runtime.backends import cpu as cpu_backend
+from ..serving.record import SessionRecord
 from ..serving.journal import DECODE, DROP, FORK, KINDS, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, Journal
 from .types import deserialize, schema_text, type_hash, typestore
 
@@ -115,32 +116,29 @@ def entry_of(msg: Any) -> Entry:
     return Entry(int(msg.seq), msg.kind, request, outcome)
 
 
-# The fields of how a node served the session: a session recorded in process has none of them.
-_NOT_A_NODE = {"node": "", "default_tier": "", "joint_states_topic": "", "ee_pose_topic": "", "action_topic": "",
-               "max_pose_age": 0.0}
-
-
-def session_message(session: dict[str, Any], stamp_ns: int) -> Any:
-    fields = _NOT_A_NODE | {name: session[name] for name in _SESSION_SCALARS if name in session}
-    budgets = {tier: size for tier, size in (session.get("budgets") or {}).items() if size is not None}
-    kernels = {name: session[name] for name in cpu_backend.KERNELS if name in session}
-    preloaded = session.get("preloaded", [])
+def session_message(session: SessionRecord, stamp_ns: int) -> Any:
+    """The JournalSession of ``session``. Its prefill_chunk is not in the message: a node always
+    runs the default, and an in-process session's record goes to a bag only with its journal."""
+    if session.prefill_chunk != SessionRecord.prefill_chunk:
+        raise InvalidArgument(f"a session record with prefill_chunk={session.prefill_chunk} has no JournalSession "
+                              f"form (it carries the default, {SessionRecord.prefill_chunk}): replay it in process")
+    fields = {name: getattr(session, name) for name in _SESSION_SCALARS}
+    budgets = {tier: size for tier, size in session.budgets if size is not None}
+    kernels = dict(session.kernels)
     return typestore().types[SESSION_TYPE](
-        header=_header(stamp_ns), **fields, signed_capsules=bool(session.get("signed", False)),
+        header=_header(stamp_ns), **fields, signed_capsules=session.signed,
         budget_tiers=list(budgets), budget_bytes=np.asarray(list(budgets.values()), dtype=np.uint64),
         kernel_names=list(kernels), kernel_versions=list(kernels.values()),
-        preloaded_ids=[c["id"] for c in preloaded], preloaded_digests=[c["digest"] for c in preloaded],
-        joint_names=list(session.get("joint_names", [])))
+        preloaded_ids=[i for i, _ in session.preloaded], preloaded_digests=[d for _, d in session.preloaded],
+        joint_names=list(session.joint_names))
 
 
-def session_of_message(msg: Any) -> dict[str, Any]:
-    session = {name: getattr(msg, name) for name in _SESSION_SCALARS}
-    session["signed"] = msg.signed_capsules
-    session["budgets"] = dict(zip(msg.budget_tiers, (int(b) for b in msg.budget_bytes)))
-    session.update(zip(msg.kernel_names, msg.kernel_versions))
-    session["preloaded"] = [{"id": i, "digest": d} for i, d in zip(msg.preloaded_ids, msg.preloaded_digests)]
-    session["joint_names"] = list(msg.joint_names)
-    return session
+def session_of_message(msg: Any) -> SessionRecord:
+    return SessionRecord(**{name: getattr(msg, name) for name in _SESSION_SCALARS}, signed=bool(msg.signed_capsules),
+                         budgets=tuple(zip(msg.budget_tiers, (int(b) for b in msg.budget_bytes))),
+                         kernels=tuple(zip(msg.kernel_names, msg.kernel_versions)),
+                         preloaded=tuple(zip(msg.preloaded_ids, msg.preloaded_digests)),
+                         joint_names=tuple(msg.joint_names))
 
 
 class BagWriter:
@@ -152,7 +150,7 @@ class BagWriter:
     a recorder killed later loses none of them (``salvage`` reads such a bag); a bag written
     whole at once does not need it."""
 
-    def __init__(self, path: str | Path, session: dict[str, Any] | None,
+    def __init__(self, path: str | Path, session: SessionRecord | None,
                  clock: Callable[[], int] | None = None, flush_each: bool = False) -> None:
         self.path = Path(path)
         self._flush_each = flush_each

@@ -42,6 +42,7 @@ from .bag import ENTRY_TOPIC, is_journal_bag, read_bag
 from ..capsule import signing
 from ..errors import InvalidArgument
 from ..serving.journal import Journal
+from ..serving.record import SessionRecord
 from .journal import JOURNAL_OUTPUTS, check_entries, judge
 from .recording import RECORDED_OUTPUTS, Recording, find_session, read_recording
 from .salvage import complete_bag
@@ -65,18 +66,15 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
             check_entries(journal.entries, outputs)
         except InvalidArgument as exc:
             raise InvalidArgument(f"malformed entry: {exc}") from None
-        capability = journal.session.get("aten_cpu_capability")
-        if capability is not None and not isinstance(capability, str):
-            raise ValueError(f"the session records aten_cpu_capability={capability!r}, not a name")
+        capability = journal.session.aten_cpu_capability
         if rerun and args.verdict != "portable":
             _rerun_at(capability)
         if salvaged:   # after the restart, which reads the bag again: said once
             print(f"flashrt-replay: {args.bag}: {salvaged}", file=sys.stderr)
-        threads = journal.session.get("torch_threads")
-        if threads is not None:   # see session_of: the split of elementwise work must be the recorded one
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-                raise ValueError(f"the session records torch_threads={threads!r}, not an int >= 1")
-            torch.set_num_threads(threads)
+        threads = journal.session.torch_threads
+        if threads < 1:
+            raise ValueError(f"the session records torch_threads={threads!r}, not an int >= 1")
+        torch.set_num_threads(threads)   # see session_of: the split of elementwise work must be the recorded one
         key = signing.load_key(args.capsule_key_file) if args.capsule_key_file else None
         engine = engine_for(journal.session, args.device, args.capsule_dir, key, strict=args.verdict == "exact",
                             mtp_head=args.mtp_head)
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     differences = platform_differences(session, here)
     verdict = args.verdict if args.verdict != "auto" else ("portable" if differences else "exact")
     print(f"replaying {len(journal.entries)} operations from {args.bag}, {source} "
-          f"({session['model_path'] or 'embedded default'}, model {session['model_fingerprint'][:12]})")
+          f"({session.model_path or 'embedded default'}, model {session.model_fingerprint[:12]})")
     print("platform: the recording's" if not differences else "platform differs: " + "; ".join(differences))
     try:
         report = judge(journal.entries, engine, tolerance, outputs=outputs)
@@ -150,7 +148,7 @@ def read(bag: str, session_bag: str | None) -> tuple[Journal, dict, str, str]:
         if is_journal_bag(path):
             return read_bag(path), JOURNAL_OUTPUTS, "a journal bag", ends
         recording = read_recorded(str(path), session_bag)
-    words = (f"a rosbag2 recording of node {recording.journal.session['node']} ({recording.dropped_observations} "
+    words = (f"a rosbag2 recording of node {recording.journal.session.node} ({recording.dropped_observations} "
              f"observations with no action and {recording.skipped_calls} calls that reached no engine left out"
              + "".join(f"; {note}" for note in recording.notes) + "; no state digests recorded)")
     return recording.journal, RECORDED_OUTPUTS, words, ends
@@ -167,7 +165,7 @@ def read_recorded(bag: str, session_bag: str | None) -> Recording:
     return read_recording(bag, session)
 
 
-def print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: dict, here: dict,
+def print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session: SessionRecord, here: dict,
                    where: str) -> None:
     messages = report.messages()
     out = sys.stdout if report.passes(verdict) else sys.stderr
@@ -190,8 +188,8 @@ def print_verdicts(report: Verdicts, tolerance: Tolerance, verdict: str, session
           + (f"; {failing} messages fail" if failing else ""), file=out)
     print(f"verdict applied: {verdict}", file=out)
     if not report.exact:
-        print(f"(recorded with torch {session.get('torch', 'unknown')} on "
-              f"{session.get('aten_cpu_capability', 'unrecorded')} kernels of {session.get('cpu', 'an unrecorded CPU')}, "
+        print(f"(recorded with torch {session.torch or 'unknown'} on "
+              f"{session.aten_cpu_capability or 'unrecorded'} kernels of {session.cpu or 'an unrecorded CPU'}, "
               f"replayed with {here['torch']} on {here['aten_cpu_capability']} kernels of "
               f"{here['cpu']}: replay is byte-exact on the same torch, CPU kernels and flashrt_ros build only, and "
               "MKL's products may round differently on another CPU vendor)", file=out)

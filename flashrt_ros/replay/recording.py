@@ -29,6 +29,7 @@ from rosbags.rosbag2 import Reader
 
 from ..errors import ErrorCode, InvalidArgument
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry, Journal
+from ..serving.record import SessionRecord
 from ..serving.observation import observation_size, paired
 from ..serving.operations import Operation, Snapshot, Step, requested
 from ..serving.requests import SnapshotRequests
@@ -55,7 +56,7 @@ class Recording:
     notes: list[str] = field(default_factory=list)
 
 
-def find_session(path: str | Path) -> dict[str, Any] | None:
+def find_session(path: str | Path) -> SessionRecord | None:
     """The session record in a bag (the last JournalSession on any topic), or None."""
     found = None
     with Reader(Path(path)) as reader:
@@ -67,7 +68,7 @@ def find_session(path: str | Path) -> dict[str, Any] | None:
     return found
 
 
-def read_recording(path: str | Path, session: dict[str, Any] | None = None) -> Recording:
+def read_recording(path: str | Path, session: SessionRecord | None = None) -> Recording:
     """The journal of a rosbag2 recording (see the module docstring). ``session``: the node's
     session record when the bag has none; InvalidArgument when neither has one, or when the bag
     holds nothing of the node that recorded it."""
@@ -77,21 +78,21 @@ def read_recording(path: str | Path, session: dict[str, Any] | None = None) -> R
         raise InvalidArgument(f"{path}: no {SESSION_TYPE} message, and none given: replay needs the node's session "
                               "record (the model, platform, node name and joint order); record the node's ~/session "
                               "topic with the others, or pass --session with a bag that holds it")
-    if not session.get("node"):
+    if not session.node:
         raise InvalidArgument(f"{path}: the session record names no node (it was recorded in-process): only a "
                               "journal bag replays it")
-    if session["obs_dim"] != observation_size(len(session["joint_names"])):
-        raise InvalidArgument(f"{path}: the node's observations hold {session['obs_dim']} values, not the "
-                              f"{observation_size(len(session['joint_names']))} its joint states and pose give "
+    if session.obs_dim != observation_size(len(session.joint_names)):
+        raise InvalidArgument(f"{path}: the node's observations hold {session.obs_dim} values, not the "
+                              f"{observation_size(len(session.joint_names))} its joint states and pose give "
                               "(policy.goal): such a session replays from the node's journal bag only")
-    topics = {"joint_states": session["joint_states_topic"], "ee_pose": session["ee_pose_topic"],
-              "action": session["action_topic"]}
-    services = {f"{session['node']}/{name}/_service_event": kind for name, kind in _SERVICES.items()}
+    topics = {"joint_states": session.joint_states_topic, "ee_pose": session.ee_pose_topic,
+              "action": session.action_topic}
+    services = {f"{session.node}/{name}/_service_event": kind for name, kind in _SERVICES.items()}
     builder = _Builder(session)
     with Reader(path) as reader:
         connections = [c for c in reader.connections if c.topic in topics.values() or c.topic in services]
         if not connections:
-            raise InvalidArgument(f"{path}: none of the topics of node {session['node']} ({', '.join(topics.values())}, "
+            raise InvalidArgument(f"{path}: none of the topics of node {session.node} ({', '.join(topics.values())}, "
                                   f"its service events): not a recording of that node")
         for connection, msg, raw in messages(path, reader, connections):
             topic = connection.topic
@@ -108,7 +109,7 @@ def read_recording(path: str | Path, session: dict[str, Any] | None = None) -> R
 
 
 class _Builder:
-    def __init__(self, session: dict[str, Any]) -> None:
+    def __init__(self, session: SessionRecord) -> None:
         self.recording = Recording(Journal(session=session))
         self._session = session
         self.pose: tuple[Any, bytes] | None = None   # the latest ee_pose, and its bytes
@@ -127,7 +128,7 @@ class _Builder:
         self._observation = None
         pose, pose_raw = self.pose or (None, b"")
         try:   # the node's pairing: a joint state it refused is no operation
-            self._observation = paired(self._session["joint_names"], msg, pose, self._session["max_pose_age"])
+            self._observation = paired(list(self._session.joint_names), msg, pose, self._session.max_pose_age)
         except InvalidArgument:
             return
         self._input = (pose_raw, raw)
@@ -171,7 +172,7 @@ class _Builder:
         outcome: dict[str, Any] = {"error_code": code, "position": int(resp.position)}
         if code == 0 and kind in (SNAPSHOT, FORK):
             outcome["capsule_id"] = resp.capsule_id
-        op = requested(kind, req, self._session["default_tier"])
+        op = requested(kind, req, self._session.default_tier)
         if isinstance(op, Snapshot) and code == 0:
             # The node's repeat rule: a repeat was answered with the earlier capsule, nothing changed.
             # An id answered with other fields was another session's (the node reconfigured).

@@ -15,43 +15,39 @@ from ..capsule.diskformat import path_for
 from ..errors import InvalidArgument
 from ..runtime import Engine
 from ..runtime.backends import cpu as cpu_backend
+from ..serving.record import VERSION, SessionRecord
 
-VERSION = 1
 
-
-def session_of(engine: Engine, model_path: str, seed: int) -> dict[str, Any]:
+def session_of(engine: Engine, model_path: str, seed: int) -> SessionRecord:
     store = engine.capsules
-    return {"version": VERSION, "model_path": str(model_path or ""), "seed": seed,
-            "dtype": str(engine.dtype).removeprefix("torch."), "max_seq_len": engine.max_seq_len,
-            "obs_dim": engine.config.obs_dim, "action_dim": engine.config.action_dim,
-            "rollback_depth": engine.rollback_depth,
-            "budgets": {t: store.budget_bytes(t) for t in TIERS}, "spill": store.spill,
-            "disk_tier": store.dir is not None, "signed": store.signed, "model_fingerprint": engine.model_fingerprint,
-            "layout_fingerprint": engine.layout_fingerprint,
-            # Replay is byte-exact on the same kernels: another torch (or another
-            # flashrt_ros attention path) may round differently.
-            "torch": torch.__version__,
-            # And at the same thread count: torch splits a large elementwise op (the MLP's
-            # SiLU, for one) over its threads, and the last few elements of each share take
-            # a scalar path that can round differently (prefill only; decode rows are small).
-            "torch_threads": torch.get_num_threads(),
-            # And on the same vector kernels: torch picks its elementwise kernels by CPU
-            # (AVX2 or AVX-512 on x86) and the two round differently (the committed bag,
-            # recorded at AVX2, mismatched on an AVX-512 machine at its first snapshot).
-            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            # Shown on a mismatch too: MKL, which runs torch.mm, picks its code by CPU model
-            # and vendor, not only by instruction set.
-            "cpu": cpu_name(),
-            # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
-            "cuda_graphs": engine.cuda_graphs, "fixed_shapes": engine.fixed_shapes,
-            "device": engine.device.type,
-            # Few-row products and linear attention on the CPU backend (which versions), or on
-            # torch: they round differently.
-            "cpu_kernels": engine.cpu_kernels,
-            **native_kernels(engine),
-            # Disk capsules found in capsule_dir at start: the session may restore them.
-            "capsule_dir": str(store.dir or ""),
-            "preloaded": [{"id": c.id, "digest": c.digest} for c in store.list() if c.tier == "disk"]}
+    return SessionRecord(
+        model_path=str(model_path or ""), seed=seed, dtype=str(engine.dtype).removeprefix("torch."),
+        max_seq_len=engine.max_seq_len, prefill_chunk=engine.decoder.prefill_chunk, obs_dim=engine.config.obs_dim,
+        action_dim=engine.config.action_dim, rollback_depth=engine.rollback_depth,
+        budgets=tuple((t, store.budget_bytes(t)) for t in TIERS), spill=store.spill,
+        disk_tier=store.dir is not None, signed=store.signed, model_fingerprint=engine.model_fingerprint,
+        layout_fingerprint=engine.layout_fingerprint,
+        # Replay is byte-exact on the same kernels: another torch (or another
+        # flashrt_ros attention path) may round differently.
+        torch=torch.__version__,
+        # And at the same thread count: torch splits a large elementwise op (the MLP's
+        # SiLU, for one) over its threads, and the last few elements of each share take
+        # a scalar path that can round differently (prefill only; decode rows are small).
+        torch_threads=torch.get_num_threads(),
+        # And on the same vector kernels: torch picks its elementwise kernels by CPU
+        # (AVX2 or AVX-512 on x86) and the two round differently.
+        aten_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        # Shown on a mismatch too: MKL, which runs torch.mm, picks its code by CPU model
+        # and vendor, not only by instruction set.
+        cpu=cpu_name(),
+        # Graphed (fixed-shape) decode masks over every row; eager decode reads the live ones.
+        cuda_graphs=engine.cuda_graphs, fixed_shapes=engine.fixed_shapes, device=engine.device.type,
+        # Few-row products and linear attention on the CPU backend (which versions), or on
+        # torch: they round differently.
+        cpu_kernels=engine.cpu_kernels, kernels=tuple(native_kernels(engine).items()),
+        # Disk capsules found in capsule_dir at start: the session may restore them.
+        capsule_dir=str(store.dir or ""),
+        preloaded=tuple((c.id, c.digest) for c in store.list() if c.tier == "disk"))
 
 
 def cpu_name() -> str:
@@ -78,22 +74,18 @@ def platform_of(engine: Engine) -> dict[str, Any]:
     return here
 
 
-def platform_in(session: dict[str, Any]) -> dict[str, Any]:
+def platform_in(session: SessionRecord) -> dict[str, Any]:
     """The same, as another session record (a live node's) states it."""
-    return {key: session.get(key, _UNRECORDED.get(key, "")) for key in
-            ("device", "torch", "aten_cpu_capability", "cpu", "torch_threads", "cpu_kernels", *cpu_backend.KERNELS)}
+    return session.platform(cpu_backend.KERNELS)
 
 
-def platform_differences(session: dict[str, Any], here: dict[str, Any]) -> list[str]:
+def platform_differences(session: SessionRecord, here: dict[str, Any]) -> list[str]:
     """What of the platform the session recorded differs ``here`` (``platform_of``, ``platform_in``):
     each one may round the products differently, so that only the portable verdict is promised
     (empty: the exact one is)."""
-    return [f"{key} {session.get(key, _UNRECORDED.get(key, ''))!r} when recorded, {value!r} here"
-            for key, value in here.items() if session.get(key, _UNRECORDED.get(key, "")) != value]
-
-
-# What a session recorded before it recorded these means.
-_UNRECORDED = {"device": "cpu", "cpu_kernels": False}
+    recorded = session.platform(cpu_backend.KERNELS)
+    return [f"{key} {recorded[key]!r} when recorded, {value!r} here" for key, value in here.items()
+            if recorded[key] != value]
 
 
 def native_kernels(engine: Engine) -> dict[str, str]:
@@ -101,7 +93,7 @@ def native_kernels(engine: Engine) -> dict[str, str]:
     return cpu_backend.versions() if engine.cpu_kernels else {}
 
 
-def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | None = None,
+def engine_for(session: SessionRecord, device: str = "cpu", capsule_dir: str | None = None,
                capsule_key: bytes | None = None, strict: bool = True, mtp_head: str | None = None) -> Engine:
     """A fresh engine like the recorded one; refuses if its fingerprints come out different,
     and, when ``strict`` (for the exact verdict), if it cannot run the recorded kernels.
@@ -111,54 +103,53 @@ def engine_for(session: dict[str, Any], device: str = "cpu", capsule_dir: str | 
     ``capsule_key``: the key a session that signed its capsule files ran with (not recorded);
     ``mtp_head``: the MTP head file it ran with (not recorded either; the fingerprint covers it).
     """
-    if session.get("version") != VERSION:
-        raise InvalidArgument(f"session format version {session.get('version')!r}, this replay reads {VERSION}")
-    if session.get("signed", False) and capsule_key is None:
+    if session.version != VERSION:
+        raise InvalidArgument(f"session format version {session.version!r}, this replay reads {VERSION}")
+    if session.signed and capsule_key is None:
         raise InvalidArgument("the session signed its capsule files with a key, which is not recorded: "
                               "pass the same key file with --capsule-key-file")
-    preloaded = session.get("preloaded", [])
-    if session["disk_tier"]:
+    preloaded = session.preloaded
+    if session.disk_tier:
         folder = tempfile.mkdtemp(prefix="flashrt-replay-")
-        _copy_preloaded(preloaded, Path(capsule_dir or session.get("capsule_dir", "")), Path(folder))
+        _copy_preloaded(preloaded, Path(capsule_dir or session.capsule_dir), Path(folder))
         capsule_dir = folder
-    engine = Engine.load(session["model_path"], seed=session["seed"], mtp_head=mtp_head or None,
-                         policy_dims=(session["obs_dim"], session["action_dim"]), device=device,
-                         dtype=getattr(torch, session["dtype"]), max_seq_len=session["max_seq_len"],
-                         rollback_depth=session["rollback_depth"], budgets=session["budgets"] or None,
-                         spill=session["spill"], capsule_dir=capsule_dir,
-                         capsule_key=capsule_key if session.get("signed", False) else None,
-                         cuda_graphs=session.get("cuda_graphs", True),
-                         static_shapes=session.get("fixed_shapes", False),
-                         cpu_kernels=session.get("cpu_kernels", False))
-    if strict and engine.cpu_kernels != session.get("cpu_kernels", False):   # only True can be refused here
+    engine = Engine.load(session.model_path, seed=session.seed, mtp_head=mtp_head or None,
+                         policy_dims=(session.obs_dim, session.action_dim), device=device,
+                         dtype=getattr(torch, session.dtype), max_seq_len=session.max_seq_len,
+                         prefill_chunk=session.prefill_chunk, rollback_depth=session.rollback_depth,
+                         budgets=session.budget_bytes or None, spill=session.spill, capsule_dir=capsule_dir,
+                         capsule_key=capsule_key if session.signed else None, cuda_graphs=session.cuda_graphs,
+                         static_shapes=session.fixed_shapes, cpu_kernels=session.cpu_kernels)
+    if strict and engine.cpu_kernels != session.cpu_kernels:   # only True can be refused here
         engine.close()
         raise InvalidArgument(f"the session ran on the CPU backend's C kernels (flashrt_ros.runtime.backends.cpu), "
                               f"which are not built here or cannot serve device {device}: rebuild the package with "
                               f"a C compiler (colcon build, or pip install .), or replay on a CPU")
+    recorded = dict(session.kernels)
     for kernel, version in native_kernels(engine).items():
-        if strict and session.get(kernel, "") != version:
+        if strict and recorded.get(kernel, "") != version:
             engine.close()
-            raise InvalidArgument(f"the session ran {kernel} kernel {session.get(kernel, '')!r}, this build has "
+            raise InvalidArgument(f"the session ran {kernel} kernel {recorded.get(kernel, '')!r}, this build has "
                                   f"{version!r}: their results may round differently")
     for key in ("model_fingerprint", "layout_fingerprint"):
-        if getattr(engine, key) != session[key]:
+        if getattr(engine, key) != getattr(session, key):
             engine.close()
             raise InvalidArgument(f"the rebuilt engine's {key} differs from the recorded one: "
-                                  f"different weights or layout ({session['model_path'] or 'embedded default'}; "
+                                  f"different weights or layout ({session.model_path or 'embedded default'}; "
                                   f"a node that served with mtp_head needs the same file: --mtp-head)")
     loaded = {c.id: c.digest for c in engine.capsules.list()}
-    for capsule in preloaded:
-        if loaded.get(capsule["id"]) != capsule["digest"]:
+    for capsule_id, capsule_digest in preloaded:
+        if loaded.get(capsule_id) != capsule_digest:
             engine.close()
-            raise InvalidArgument(f"capsule {capsule['id']}, which the session started with, did not load "
+            raise InvalidArgument(f"capsule {capsule_id}, which the session started with, did not load "
                                   f"with its recorded digest (see the warnings above)")
     return engine
 
 
-def _copy_preloaded(preloaded: list[dict], source: Path, folder: Path) -> None:
-    for capsule in preloaded:
-        path = path_for(source, capsule["id"])
+def _copy_preloaded(preloaded: tuple[tuple[str, str], ...], source: Path, folder: Path) -> None:
+    for capsule_id, _ in preloaded:
+        path = path_for(source, capsule_id)
         if not path.is_file():
-            raise InvalidArgument(f"the session started with capsule {capsule['id']} from {source}, which is not "
+            raise InvalidArgument(f"the session started with capsule {capsule_id} from {source}, which is not "
                                   f"there now: pass the folder that holds {path.name} with --capsule-dir")
-        shutil.copyfile(path, path_for(folder, capsule["id"]))
+        shutil.copyfile(path, path_for(folder, capsule_id))

@@ -12,6 +12,7 @@ from ..msg import CapsuleInfo as CapsuleInfoMsg
 from ..msg import JournalSession
 from ..replay.bag import SESSION_TYPE, session_message
 from ..replay.types import typestore
+from ..serving.record import SessionRecord
 
 
 def stamp(seconds: float) -> Time:
@@ -39,7 +40,7 @@ def outcome(exc: BaseException) -> tuple[int, str]:
     return int(ErrorCode.INTERNAL), f"internal error: {type(exc).__name__}: {exc}"
 
 
-def session_msg(session: dict[str, Any], stamp_ns: int = 0) -> JournalSession:
+def session_msg(session: SessionRecord, stamp_ns: int = 0) -> JournalSession:
     """The JournalSession of a session record, built once (``replay.bag``) for bags and topics alike."""
     return deserialize_message(bytes(typestore().serialize_cdr(session_message(session, stamp_ns), SESSION_TYPE)),
                                JournalSession)

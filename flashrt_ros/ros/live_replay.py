@@ -41,6 +41,7 @@ from ..replay.bag import SESSION_TYPE, session_of_message
 from ..replay.types import deserialize
 from ..serving import operations as ops
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT, STEP, Entry
+from ..serving.record import SessionRecord
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 
 # The calls a live replay plays (besides steps): kind -> (service under the node, type).
@@ -69,20 +70,20 @@ class Unplayable(Exception):
 class LiveNode:
     """A ``replay.journal.Target`` that is a flashrt_node reached over DDS."""
 
-    def __init__(self, recorded: dict[str, Any], inputs: dict[int, tuple[bytes, bytes]],
+    def __init__(self, recorded: SessionRecord, inputs: dict[int, tuple[bytes, bytes]],
                  timeout_s: float = 30.0, settle_s: float = 0.02) -> None:
         self._inputs, self._timeout, self._settle = inputs, timeout_s, settle_s
         self._context = Context()
         rclpy.init(context=self._context)
         self._node = rclpy.create_node(f"flashrt_replay_{time.monotonic_ns() % 10**9}", context=self._context)
-        name = recorded["node"]
-        self._pose = self._node.create_publisher(PoseStamped, recorded["ee_pose_topic"], 10)
-        self._joints = self._node.create_publisher(JointState, recorded["joint_states_topic"], 10)
+        name = recorded.node
+        self._pose = self._node.create_publisher(PoseStamped, recorded.ee_pose_topic, 10)
+        self._joints = self._node.create_publisher(JointState, recorded.joint_states_topic, 10)
         self._actions: list[bytes] = []
         self._arrived = threading.Condition()
-        self._action_topic = recorded["action_topic"]
+        self._action_topic = recorded.action_topic
         self._node.create_subscription(JointTrajectoryPoint, self._action_topic, self._on_action, 100)
-        self._session: dict[str, Any] | None = None
+        self._session: SessionRecord | str | None = None   # a str: why it could not be read
         self._node.create_subscription(JournalSession, f"{name}/session", self._on_session, _LATCHED, raw=True)
         self._clients = {kind: self._node.create_client(srv, f"{name}/{service}")
                          for kind, (service, srv) in PLAYED_CALLS.items()}
@@ -102,7 +103,7 @@ class LiveNode:
         try:
             session = session_of_message(deserialize(raw, SESSION_TYPE))
         except Exception as exc:   # (an exception out of a callback would end the spin thread)
-            session = {"unreadable": f"{type(exc).__name__}: {exc}"}
+            session = f"{type(exc).__name__}: {exc}"   # why it cannot be read
         with self._arrived:
             self._session = session
             self._arrived.notify_all()
@@ -115,8 +116,8 @@ class LiveNode:
             if not self._arrived.wait_for(lambda: self._session is not None, self._timeout):
                 raise InvalidArgument(f"no session record on {self._node.resolve_topic_name('~')}: is a flashrt_node "
                                       f"running in this ROS domain, with the recorded node name?")
-        if "unreadable" in self._session:
-            raise InvalidArgument(f"its session record cannot be read ({self._session['unreadable']})")
+        if isinstance(self._session, str):
+            raise InvalidArgument(f"its session record cannot be read ({self._session})")
         for client in (*self._clients.values(), self._list):
             if not client.wait_for_service(timeout_sec=max(0.1, deadline - time.monotonic())):
                 raise InvalidArgument(f"the node's {client.srv_name} service did not come up")

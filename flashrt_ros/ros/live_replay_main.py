@@ -27,6 +27,7 @@ from ..replay.salvage import complete_bag
 from ..replay.session import platform_differences, platform_in
 from ..replay.verdicts import Tolerance
 from ..serving.journal import STEP
+from ..serving.record import SessionRecord
 from .live_replay import PLAYED_CALLS, LiveNode, Unanswered
 
 _PLAYED = {STEP, *PLAYED_CALLS}
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         node = LiveNode(recorded, recording.inputs, args.timeout, args.settle_ms / 1000)
     except Exception as exc:   # rclpy refusing a topic name from the record, say
-        print(f"flashrt-replay --live: cannot play into {recorded.get('node')}: {type(exc).__name__}: {exc}",
+        print(f"flashrt-replay --live: cannot play into {recorded.node}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return 2
     try:
@@ -64,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             live = node.connect()
             _check_start(recorded, live)
         except InvalidArgument as exc:
-            print(f"flashrt-replay --live: cannot replay {args.bag} into {recorded['node']}: {exc}", file=sys.stderr)
+            print(f"flashrt-replay --live: cannot replay {args.bag} into {recorded.node}: {exc}", file=sys.stderr)
             return 2
         here = platform_in(live)
         differences = platform_differences(recorded, here)
         verdict = args.verdict if args.verdict != "auto" else ("portable" if differences else "exact")
-        print(f"playing {len(journal.entries)} operations from {args.bag} into the live node {recorded['node']} "
+        print(f"playing {len(journal.entries)} operations from {args.bag} into the live node {recorded.node} "
               f"({recording.dropped_observations} observations with no action and {recording.skipped_calls} calls "
               f"that reached no engine left out" + "".join(f"; {note}" for note in recording.notes) + ")")
         print("platform: the recording's" if not differences else "platform differs: " + "; ".join(differences))
@@ -100,18 +101,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_start(recorded: dict, live: dict) -> None:
+def _check_start(recorded: SessionRecord, live: SessionRecord) -> None:
     """InvalidArgument when the live node does not serve what the recorded one served, from
     the state it started in."""
     for key in ("model_fingerprint", "layout_fingerprint"):
-        if live.get(key) != recorded.get(key):
-            raise InvalidArgument(f"its {key} {str(live.get(key))[:12]} is not the recorded "
-                                  f"{str(recorded.get(key))[:12]}: another model or layout")
+        if getattr(live, key) != getattr(recorded, key):
+            raise InvalidArgument(f"its {key} {getattr(live, key)[:12]} is not the recorded "
+                                  f"{getattr(recorded, key)[:12]}: another model or layout")
     for key in ("joint_names", "joint_states_topic", "ee_pose_topic", "action_topic", "default_tier"):
-        if live.get(key) != recorded.get(key):
-            raise InvalidArgument(f"it serves {key}={live.get(key)!r}, the recorded node {recorded.get(key)!r}")
-    found = {c["id"]: c["digest"] for c in live.get("preloaded", [])}
-    wanted = {c["id"]: c["digest"] for c in recorded.get("preloaded", [])}
+        if getattr(live, key) != getattr(recorded, key):
+            raise InvalidArgument(f"it serves {key}={getattr(live, key)!r}, the recorded node "
+                                  f"{getattr(recorded, key)!r}")
+    found, wanted = dict(live.preloaded), dict(recorded.preloaded)
     if found != wanted:
         raise InvalidArgument(f"it started with disk capsules {sorted(found)}, the recorded one with {sorted(wanted)}")
 

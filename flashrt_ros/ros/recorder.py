@@ -27,6 +27,7 @@ from service_msgs.msg import ServiceEventInfo
 from ..replay.bag import BagWriter
 from ..replay.types import canonical
 from ..serving.journal import Entry
+from ..serving.record import SessionRecord
 
 
 def type_name(msg: Any) -> str:
@@ -38,7 +39,7 @@ def type_name(msg: Any) -> str:
 class Recorder:
     """A Journal listener that also writes what the node served (see the module docstring)."""
 
-    def __init__(self, path: Path, session: dict[str, Any], node: Node) -> None:
+    def __init__(self, path: Path, session: SessionRecord, node: Node) -> None:
         self._node = node
         self.bag = BagWriter(path, session, clock=lambda: node.get_clock().now().nanoseconds,
                              flush_each=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..replay.session import session_of
 from ..runtime import Engine
 from ..runtime.tokenizer import load_tokenizer
 from ..serving import Journal, Session
+from ..serving.record import SessionRecord
 from . import params
 from .convert import outcome, session_msg
 from .policy_io import PolicyIO
@@ -87,17 +89,18 @@ class Served:
         self._lease_timer = node.create_timer(LEASE_POLL_S, self._expire, callback_group=node.timer_group,
                                               clock=Clock(clock_type=ClockType.STEADY_TIME))
 
-    def record_of(self, vals: dict[str, Any]) -> dict[str, Any]:
+    def record_of(self, vals: dict[str, Any]) -> SessionRecord:
         """The engine's session record (``replay.session``) and how this node serves it: what
         replay of a bag of its topics and service events needs (see msg/JournalSession.msg)."""
         node = self._node
-        return {**session_of(self.engine, vals["model_path"], vals["seed"]),
-                "node": node.get_fully_qualified_name(), "default_tier": vals["default_tier"],
-                "joint_names": list(vals["policy.joint_names"]), "max_pose_age": float(vals["policy.max_pose_age"]),
-                "joint_states_topic": node.resolve_topic_name("~/joint_states"),
-                "ee_pose_topic": node.resolve_topic_name("~/ee_pose"), "action_topic": node.resolve_topic_name("~/action")}
+        return replace(session_of(self.engine, vals["model_path"], vals["seed"]),
+                       node=node.get_fully_qualified_name(), default_tier=vals["default_tier"],
+                       joint_names=tuple(vals["policy.joint_names"]), max_pose_age=float(vals["policy.max_pose_age"]),
+                       joint_states_topic=node.resolve_topic_name("~/joint_states"),
+                       ee_pose_topic=node.resolve_topic_name("~/ee_pose"),
+                       action_topic=node.resolve_topic_name("~/action"))
 
-    def _start_journal(self, folder: Path, record: dict[str, Any], count: int) -> None:
+    def _start_journal(self, folder: Path, record: SessionRecord, count: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         # The node name too: two nodes of one process may share journal_path and start in the same second.
         path = folder / (f"session-{time.strftime('%Y%m%d-%H%M%S')}-{self._node.get_name()}-{os.getpid()}-{count}")

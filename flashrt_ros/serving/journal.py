@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .record import SessionRecord
+
 # Kinds of entries, and the engine call each one replays as. SPILL is the spill
 # parameter changed at run time: it decides later refusals and evictions.
 PREFILL, DECODE, STEP = "prefill", "decode", "step"
@@ -42,7 +44,7 @@ class Journal:
     that a replay can build the same one.
     """
 
-    session: dict[str, Any] = field(default_factory=dict)
+    session: SessionRecord = field(default_factory=SessionRecord)
     entries: list[Entry] = field(default_factory=list)
     listeners: list[Callable[[Entry], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
