@@ -151,7 +151,7 @@ def test_soak_and_budget_pressure_keep_memory_bounded_pins_and_the_replay_digest
     budgets = {"budgets.device_mb": 1, "budgets.host_mb": 2, "budgets.disk_mb": 3}
     h = Harness(ros_context, {"capsule_dir": str(tmp_path / "capsules"), "max_seq_len": 2048, **budgets})
     engine = h.node.engine
-    h.node.journal = journal = Journal(session=session_of(engine, "", 0))
+    h.node.session.journal = journal = Journal(session=session_of(engine, "", 0))
     events: list = []
     h.client.create_subscription(CapsuleEvent, "/flashrt/events", events.append, 1000)
     try:

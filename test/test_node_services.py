@@ -249,7 +249,7 @@ def test_a_sampled_goal_draws_what_the_engine_draws_and_its_journal_replays(live
     from flashrt_ros.runtime import Engine, ModelConfig
 
     h = live
-    h.node.journal = journal = Journal()
+    h.node.session.journal = journal = Journal()
     _, result = h.generate(token_ids=[5, 6, 7], max_new_tokens=12, temperature=1.0, seed=21)
     res = wait_future(result).result
     assert res.success, res.message

@@ -20,7 +20,7 @@ def test_storm_of_clients_equals_its_sequential_replay(ros_context):
     from flashrt_ros.runtime import Engine, ModelConfig
 
     h = Harness(ros_context, {"rollback_depth": 4})
-    h.node.journal = journal = Journal()
+    h.node.session.journal = journal = Journal()
     try:
         _, result = h.generate(prompt="task context: sort the parts by colour", max_new_tokens=4)
         assert wait_future(result).result.success

@@ -189,10 +189,10 @@ def test_a_journal_that_cannot_write_stops_and_changes_no_answer(ros_context, tm
 
         def disk_full(entry):
             raise OSError(errno.ENOSPC, "No space left on device")
-        h.node.journal.listeners.append(disk_full)
+        h.node.session.journal.listeners.append(disk_full)
         made = h.call("snapshot", name="s1")
         assert made.success, made.message
-        assert h.node.journal is None
+        assert h.node.session.journal is None
         assert h.call("snapshot", name="s1").error_code == 2   # INVALID_ARGUMENT: the name is taken
         _, result = h.generate(max_new_tokens=3)
         assert wait_future(result).result.success

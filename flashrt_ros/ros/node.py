@@ -27,7 +27,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 
 from ..errors import ErrorCode, NotActive
 from ..runtime import Engine
-from ..serving import Journal, Session
+from ..serving import Session
 from . import params
 from .answers import LIST, SERVICES
 from .convert import outcome
@@ -88,16 +88,6 @@ class FlashRTNode(LifecycleNode):
         return served.tokenizer if served is not None else None
 
     @property
-    def journal(self) -> Journal | None:
-        session = self.session
-        return session.journal if session is not None else None
-
-    @journal.setter
-    def journal(self, journal: Journal | None) -> None:
-        if self.session is not None:
-            self.session.journal = journal
-
-    @property
     def serving(self) -> bool:
         return self._active and self.served is not None
 
@@ -138,31 +128,28 @@ class FlashRTNode(LifecycleNode):
         return self._moved("inactive")
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._free()
-        return self._moved("unconfigured")
+        return self._moved("unconfigured", free=True)
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._active = False
-        self._free()
-        return self._moved("finalized")
+        return self._moved("finalized", free=True)
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._active = False
-        self._free()
-        return self._moved("unconfigured")
+        return self._moved("unconfigured", free=True)
 
-    def _moved(self, label: str) -> TransitionCallbackReturn:
+    def _moved(self, label: str, free: bool = False) -> TransitionCallbackReturn:
+        if free:
+            self._active = False
+            self._free()
         self.label = label
         self.report.dirty.set()
         return TransitionCallbackReturn.SUCCESS
 
     def _free(self) -> None:
         served = self.served
-        if served is None:
-            return
-        with served.engine.lock:  # in-flight operations finish first; request ids and leases go with it
-            self.served = None
-        served.close()
+        if served is not None:
+            with served.engine.lock:  # in-flight operations finish first; request ids and leases go with it
+                self.served = None
+            served.close()
 
     def destroy_node(self) -> None:
         # Also reached from a constructor that failed (Kilted's Node.__init__ destroys itself on
