@@ -108,10 +108,9 @@ def engine_for(session: SessionRecord, device: str = "cpu", capsule_dir: str | N
     if session.signed and capsule_key is None:
         raise InvalidArgument("the session signed its capsule files with a key, which is not recorded: "
                               "pass the same key file with --capsule-key-file")
-    preloaded = session.preloaded
     if session.disk_tier:
         folder = tempfile.mkdtemp(prefix="flashrt-replay-")
-        _copy_preloaded(preloaded, Path(capsule_dir or session.capsule_dir), Path(folder))
+        _copy_preloaded(session.preloaded, Path(capsule_dir or session.capsule_dir), Path(folder))
         capsule_dir = folder
     engine = Engine.load(session.model_path, seed=session.seed, mtp_head=mtp_head or None,
                          policy_dims=(session.obs_dim, session.action_dim), device=device,
@@ -120,30 +119,35 @@ def engine_for(session: SessionRecord, device: str = "cpu", capsule_dir: str | N
                          budgets=session.budget_bytes or None, spill=session.spill, capsule_dir=capsule_dir,
                          capsule_key=capsule_key if session.signed else None, cuda_graphs=session.cuda_graphs,
                          static_shapes=session.fixed_shapes, cpu_kernels=session.cpu_kernels)
-    if strict and engine.cpu_kernels != session.cpu_kernels:   # only True can be refused here
+    try:
+        _check_rebuilt(engine, session, strict)
+    except BaseException:
         engine.close()
+        raise
+    return engine
+
+
+def _check_rebuilt(engine: Engine, session: SessionRecord, strict: bool) -> None:
+    """InvalidArgument when ``engine`` is not the one the session ran on."""
+    if strict and engine.cpu_kernels != session.cpu_kernels:   # only True can be refused here
         raise InvalidArgument(f"the session ran on the CPU backend's C kernels (flashrt_ros.runtime.backends.cpu), "
-                              f"which are not built here or cannot serve device {device}: rebuild the package with "
+                              f"which are not built here or cannot serve device {engine.device.type}: rebuild the package with "
                               f"a C compiler (colcon build, or pip install .), or replay on a CPU")
     recorded = dict(session.kernels)
     for kernel, version in native_kernels(engine).items():
         if strict and recorded.get(kernel, "") != version:
-            engine.close()
             raise InvalidArgument(f"the session ran {kernel} kernel {recorded.get(kernel, '')!r}, this build has "
                                   f"{version!r}: their results may round differently")
     for key in ("model_fingerprint", "layout_fingerprint"):
         if getattr(engine, key) != getattr(session, key):
-            engine.close()
             raise InvalidArgument(f"the rebuilt engine's {key} differs from the recorded one: "
                                   f"different weights or layout ({session.model_path or 'embedded default'}; "
                                   f"a node that served with mtp_head needs the same file: --mtp-head)")
     loaded = {c.id: c.digest for c in engine.capsules.list()}
-    for capsule_id, capsule_digest in preloaded:
+    for capsule_id, capsule_digest in session.preloaded:
         if loaded.get(capsule_id) != capsule_digest:
-            engine.close()
             raise InvalidArgument(f"capsule {capsule_id}, which the session started with, did not load "
                                   f"with its recorded digest (see the warnings above)")
-    return engine
 
 
 def _copy_preloaded(preloaded: tuple[tuple[str, str], ...], source: Path, folder: Path) -> None:

@@ -9,7 +9,7 @@ tokens stop there (PREEMPTED), and the goal reports the tokens it made before.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterator, NamedTuple
 
 from ..action import Generate
 from ..errors import InvalidArgument, NotActive
@@ -17,16 +17,50 @@ from ..runtime import inputs
 from ..serving import Session
 
 
+class _Asked(NamedTuple):
+    """A goal's request, checked: prompt ids, new tokens, sampling and drafts per pass."""
+
+    ids: list[int]
+    new_tokens: int
+    temperature: float
+    seed: int | None
+    drafts: int
+
+
 def run_generation(node: Any, session: Session, goal_handle: Any, result: Any) -> None:
     """Fill ``result`` (and stream feedback); raise a FlashRTError to refuse or stop."""
     engine = session.engine
     goal = goal_handle.request
+    asked = _checked(node, engine, goal)
+    start = time.perf_counter()
+    with engine.lock:
+        # Asked again once the lock is ours: a goal that waited for it may have been canceled,
+        # or the node deactivated, meanwhile; neither may find the prompt committed.
+        if not node.serving:
+            raise NotActive("node left the active state before the prompt was committed")
+        if goal_handle.is_cancel_requested:   # the goal ends at the loop's first check
+            asked = asked._replace(ids=[], new_tokens=0)
+        stream = session.generate(asked.ids, asked.new_tokens, temperature=asked.temperature, seed=asked.seed,
+                                  prompt=goal.prompt, speculative=asked.drafts or None)
+    tokens: list[int] = []
+    try:
+        first = _streamed(node, engine, goal_handle, stream, tokens, result)
+    finally:   # an aborted goal still reports the tokens it committed to the state
+        result.tokens = tokens
+        result.text = _decode(node.tokenizer, tokens)
+    end = time.perf_counter()
+    result.ttft_ms = ((first or end) - start) * 1e3
+    decode_s = end - (first or end)
+    result.tokens_per_s = (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0
+    result.position = engine.position
+
+
+def _checked(node: Any, engine: Any, goal: Any) -> _Asked:
     ids = _prompt_ids(node.tokenizer, goal)
     n = goal.max_new_tokens
     if n < 0:
         raise InvalidArgument(f"max_new_tokens must be >= 0, got {n}")
     temperature = inputs.temperature(float(goal.temperature))
-    seed = goal.seed if goal.seed >= 0 else None
     if goal.speculative < -1:
         raise InvalidArgument(f"speculative must be -1 (the node's parameter), 0 (off) or drafts per pass, "
                               f"got {goal.speculative}")
@@ -37,46 +71,33 @@ def run_generation(node: Any, session: Session, goal_handle: Any, result: Any) -
     if len(ids) + n > room:
         raise InvalidArgument(f"{len(ids)} prompt + {n} new tokens exceed the {room} positions left "
                               f"(max_seq_len={engine.max_seq_len}, position={engine.position})")
+    return _Asked(ids, n, temperature, goal.seed if goal.seed >= 0 else None, drafts)
+
+
+def _streamed(node: Any, engine: Any, goal_handle: Any, stream: Iterator[int], tokens: list[int],
+              result: Any) -> float | None:
+    """Take tokens from ``stream`` into ``tokens``, with feedback, until it ends, an end-of-sequence
+    token, a cancel or a deactivation (NotActive); return when the first token came (None: none)."""
     eos = set(engine.stop_token_ids) | {getattr(node.tokenizer, "eos_id", None)}
-    start = time.perf_counter()
-    with engine.lock:
-        # Asked again once the lock is ours: a goal that waited for it may have been canceled,
-        # or the node deactivated, meanwhile; neither may find the prompt committed.
-        if not node.serving:
-            raise NotActive("node left the active state before the prompt was committed")
-        if goal_handle.is_cancel_requested:   # the goal ends at the loop's first check
-            ids, n = [], 0
-        stream = session.generate(ids, n, temperature=temperature, seed=seed, prompt=goal.prompt,
-                                  speculative=drafts or None)
-    tokens: list[int] = []
     first = None
     feedback = Generate.Feedback()
-    try:
-        while True:
-            if goal_handle.is_cancel_requested:
-                result.message = f"canceled after {len(tokens)} tokens"
-                break
-            if not node.serving:
-                raise NotActive(f"node left the active state after {len(tokens)} tokens")
-            token = next(stream, None)
-            if token is None:
-                break
-            if first is None:
-                first = time.perf_counter()
-            tokens.append(token)
-            feedback.tokens = tokens
-            feedback.text = _decode(node.tokenizer, tokens)
-            goal_handle.publish_feedback(feedback)
-            if token in eos:
-                break
-    finally:   # an aborted goal still reports the tokens it committed to the state
-        result.tokens = tokens
-        result.text = _decode(node.tokenizer, tokens)
-    end = time.perf_counter()
-    result.ttft_ms = ((first or end) - start) * 1e3
-    decode_s = end - (first or end)
-    result.tokens_per_s = (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0
-    result.position = engine.position
+    while True:
+        if goal_handle.is_cancel_requested:
+            result.message = f"canceled after {len(tokens)} tokens"
+            return first
+        if not node.serving:
+            raise NotActive(f"node left the active state after {len(tokens)} tokens")
+        token = next(stream, None)
+        if token is None:
+            return first
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(token)
+        feedback.tokens = tokens
+        feedback.text = _decode(node.tokenizer, tokens)
+        goal_handle.publish_feedback(feedback)
+        if token in eos:
+            return first
 
 
 def _prompt_ids(tokenizer: Any, goal: Any) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..errors import InvalidArgument
 from ..replay.bag import is_journal_bag, read_bag
@@ -33,23 +34,29 @@ from .live_replay import PLAYED_CALLS, LiveNode, Unanswered
 _PLAYED = {STEP, *PLAYED_CALLS}
 
 
+def _read(args: argparse.Namespace) -> Any:
+    """The recording to play (``replay.cli.read_recorded``), its calls checked."""
+    if args.timeout <= 0 or args.settle_ms < 0:
+        raise InvalidArgument("--timeout must be > 0 and --settle-ms >= 0")
+    with complete_bag(args.bag) as (bag, salvaged):
+        if salvaged is not None:
+            print(f"flashrt-replay --live: {args.bag}: {salvaged.describe()}", file=sys.stderr)
+        if is_journal_bag(bag):
+            unplayed = sorted({e.kind for e in read_bag(bag).entries} - _PLAYED)
+            if unplayed:
+                raise InvalidArgument(f"the journal holds {', '.join(unplayed)} operations, which a live replay "
+                                      "does not play: replay it in-process (without --live)")
+        recording = read_recorded(str(bag), args.session)
+    check_entries(recording.journal.entries, RECORDED_OUTPUTS)
+    return recording
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         tolerance = Tolerance(args.margin_tol, args.action_atol, args.action_rtol)
-        if args.timeout <= 0 or args.settle_ms < 0:
-            raise InvalidArgument("--timeout must be > 0 and --settle-ms >= 0")
-        with complete_bag(args.bag) as (bag, salvaged):
-            if salvaged is not None:
-                print(f"flashrt-replay --live: {args.bag}: {salvaged.describe()}", file=sys.stderr)
-            if is_journal_bag(bag):
-                unplayed = sorted({e.kind for e in read_bag(bag).entries} - _PLAYED)
-                if unplayed:
-                    raise InvalidArgument(f"the journal holds {', '.join(unplayed)} operations, which a live replay "
-                                          "does not play: replay it in-process (without --live)")
-            recording = read_recorded(str(bag), args.session)
+        recording = _read(args)
         journal = recording.journal
-        check_entries(journal.entries, RECORDED_OUTPUTS)
     except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read
         print(f"flashrt-replay --live: cannot replay {args.bag}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
