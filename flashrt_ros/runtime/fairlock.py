@@ -1,10 +1,10 @@
 """A reentrant lock that serves waiting threads in arrival order.
 
 The engine takes its lock once per decode step. ``threading.RLock`` makes no
-promise about who gets it next, and in practice the generating thread wins it
-back again and again: a snapshot that arrived mid-generation was measured
-waiting up to 83 decode steps. With arrival order, it waits for at most the
-step in progress.
+promise about who gets it next, and the generating thread, which releases and
+takes it again within a few bytecodes, can win it back again and again, so a
+snapshot that arrives mid-generation could wait for many decode steps. With
+arrival order, it waits for at most the step in progress.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class FairRLock:
 
     def __init__(self) -> None:
         # The fast paths take ``_guard`` itself, the condition's lock: Condition.__enter__ is a
-        # Python call, and a cold one cost a snapshot or restore several microseconds.
+        # Python call, one more on every snapshot's and restore's path.
         self._guard = threading.Lock()
         self._cond = threading.Condition(self._guard)
         self._owner: int | None = None
@@ -32,8 +32,7 @@ class FairRLock:
         me = get_ident()
         if self._owner == me:
             # Only the owner sets the owner to itself or changes the depth, so re-entry needs
-            # no internal lock (a capsule call re-enters two or three times; each internal
-            # lock round costs microseconds when the code is cold).
+            # no internal lock (a capsule call re-enters two or three times).
             self._depth += 1
             return True
         with self._guard:
@@ -79,7 +78,7 @@ class FairRLock:
     def held_by_me(self) -> bool:
         return self._owner == get_ident()
 
-    # Aliases, not wrappers: a capsule call takes the lock from a cold cache, where each Python
-    # call costs microseconds. As with threading.Lock, ``with lock as x`` binds what acquire returns.
+    # Aliases, not wrappers: one Python call fewer on every capsule call's path. As with
+    # threading.Lock, ``with lock as x`` binds what acquire returns.
     __enter__ = acquire
     __exit__ = release
