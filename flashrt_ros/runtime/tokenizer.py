@@ -2,15 +2,16 @@
 
 The byte-level one needs no files, so the default model can take and return
 text on a fresh machine. A checkpoint brings its own tokenizer.json (read with
-the ``tokenizers`` library); without one it takes token ids only.
+the ``tokenizers`` library), and its chat template; without one it takes token ids only.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Mapping, Protocol, Sequence
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InvalidArgument
+from .chat import ChatTemplate, load_chat_template, special_tokens
 
 BOS, EOS = 256, 257
 
@@ -20,10 +21,13 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+
 
 class ByteTokenizer:
     vocab_size = 260
     eos_id = EOS
+    chat_template = None
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([BOS] if bos else []) + list(text.encode("utf-8"))
@@ -31,9 +35,13 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        raise InvalidArgument("the embedded default has no chat template: send a prompt or token_ids")
+
 
 class FileTokenizer:
-    """A Hugging Face ``tokenizer.json``, with the special tokens its template adds."""
+    """A Hugging Face ``tokenizer.json``, with ``tokenizer_config.json`` beside it when there is
+    one: the turn's end (``eos_token``) and the chat template (``runtime.chat``)."""
 
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as _HFTokenizer  # imported only when a checkpoint has one
@@ -42,26 +50,38 @@ class FileTokenizer:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:   # tokenizers raises bare Exceptions that name no file
             raise CheckpointError(f"{path}: not a readable tokenizer ({exc})") from None
+        config = _config(Path(path).with_name("tokenizer_config.json"))
         # The turn's end as the tokenizer's own config names it (a chat release: <|im_end|>), besides
         # the engine's stop_token_ids.
-        self.eos_id = self._config_eos(Path(path).with_name("tokenizer_config.json"))
-
-    def _config_eos(self, file: Path) -> int | None:
-        if not file.is_file():
-            return None
-        try:
-            eos = json.loads(file.read_text()).get("eos_token")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"{file}: unreadable ({exc})") from None
-        if isinstance(eos, dict):   # an AddedToken written out whole
-            eos = eos.get("content")
-        return self._tok.token_to_id(eos) if isinstance(eos, str) else None
+        eos = special_tokens(config).get("eos_token")
+        self.eos_id = self._tok.token_to_id(eos) if eos is not None else None
+        self.chat_template: ChatTemplate | None = load_chat_template(Path(path).parent, config)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The ids of ``messages`` rendered with the chat template, up to the assistant's turn. The
+        template writes its own special tokens, so the tokenizer adds none (as transformers does)."""
+        if self.chat_template is None:
+            raise InvalidArgument("this checkpoint has no chat template (tokenizer_config.json's chat_template, or "
+                                  "chat_template.jinja): send a prompt or token_ids")
+        return self._tok.encode(self.chat_template.render(messages), add_special_tokens=False).ids
+
+
+def _config(file: Path) -> dict:
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: unreadable (not a JSON object)")
+    return config
 
 
 def load_tokenizer(model_path: str | Path | None) -> Tokenizer | None:
