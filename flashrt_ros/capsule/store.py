@@ -5,8 +5,8 @@ are immutable and reference-counted, so a fork or a snapshot that extends an ear
 token prefix points at the earlier chunk instead of copying it: N branches of a P-token prefix
 cost about P + N * delta bytes. The store is bookkeeping: for a snapshot or a restore it hands
 the engine a plan (``plans``), the byte copies and what they make, and the engine carries it
-out. Digests are computed off the snapshot path by one background thread, from the capsule's
-own immutable copy.
+out. The disk tier's files are ``disk_capsules.CapsuleFolder``'s. Digests are computed off the
+snapshot path by one background thread, from the capsule's own immutable copy.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import torch
 
 from ..digest import history_digest, state_digest
 from ..errors import shown
-from . import disk_capsules, diskformat
+from . import diskformat
 from .digest_queue import FINISHED, SETTLED, DigestQueue
-from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
-                     UnknownCapsule)
+from .disk_capsules import CapsuleFolder, range_reader
+from .errors import BudgetExceeded, CapsuleIOError, CorruptCapsule, InvalidCapsuleRequest, UnknownCapsule
 from .held_events import HeldEvents, Lockable
-from .info import TIERS, CapsuleInfo, check_name, check_tier
+from .info import TIERS, CapsuleInfo, check_budgets, check_compatible, check_name, check_tier
 from .layout import Layout
 from .memory import Chunk, DevicePool, host_chunk
 from .pieces import Piece, Record, chunks_of, cut, laid_out, same_bytes_until
@@ -51,17 +51,11 @@ class CapsuleStore:
                  lock: Lockable | None = None, log_kinds: Iterable[str] = (), key: bytes | None = None) -> None:
         """``key``: sign every capsule file written, and refuse any read without a valid
         signature (``signing``); None: files carry digests only."""
-        unknown = sorted(set(budgets) - set(TIERS), key=repr)
-        if unknown:
-            raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
-        for tier, value in budgets.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidCapsuleRequest(f"budget for {tier} must be an int >= 0, got {value!r}")
+        self._budgets = check_budgets(budgets)
         self.layout, self.model_fingerprint, self.device = layout, model_fingerprint, device
         self.log_kinds = frozenset(log_kinds)   # boundary kinds the engine can replay
         self._key = key
         self.spill = spill
-        self._budgets = dict(budgets)
         self._used = {t: 0 for t in TIERS}
         self._records: dict[str, Record] = {}
         # Capsules the call in progress works from: no spill it sets off, however far down the
@@ -73,15 +67,15 @@ class CapsuleStore:
         self._held = HeldEvents(self._lock, self._deliver)
         self._listeners: list[Callable[[str, CapsuleInfo], None]] = [on_event] if on_event else []
         self._pin_host = device.type == "cuda"
-        try:
-            self.pool = DevicePool(self._budgets.get("device", 0), device)
-        except (RuntimeError, MemoryError) as exc:   # torch's out-of-memory errors are RuntimeErrors
-            raise InvalidCapsuleRequest(f"the device budget of {self._budgets.get('device', 0)} bytes cannot be "
-                                        f"allocated on {device}: {str(exc).splitlines()[0][:200]}") from None
+        self.pool = DevicePool(self._budgets.get("device", 0), device)
         self.dir = Path(capsule_dir) if capsule_dir else None
+        self._folder = (CapsuleFolder(self.dir, layout, self.log_kinds, model_fingerprint, key)
+                        if self.dir is not None else None)
         self.digests = DigestQueue(self._compute_digest, self._release, self._lock, self._announce_digest)
-        if self.dir is not None:
-            self._load_disk()
+        if self._folder is not None:
+            for record in self._folder.load():
+                self._records[record.info.id] = record
+                self._used["disk"] += record.info.nbytes
 
     # ---- public queries ------------------------------------------------------------------------
     def subscribe(self, listener: Callable[[str, CapsuleInfo], None]) -> None:
@@ -166,7 +160,7 @@ class CapsuleStore:
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             if tier == "disk":
-                self._require_dir()
+                self._require_folder()
             source = self._records.get(base[0]) if base else None
             shared, start = self._shared_prefix(source, base[1] if base else 0, tier, position)
             nbytes = self.layout.ranges_bytes(position, start)
@@ -244,10 +238,10 @@ class CapsuleStore:
             known = (source.info.digest, source.info.history_hash) if _digest_final(source) else None
             try:
                 if source.info.tier == "disk":
-                    data, ranges = self._read_disk(source)
-                    chunk = self._allocate("host", data.numel(), spare=source)
-                    chunk.data.copy_(data)
-                    pieces, tier, nbytes = laid_out(chunk, ranges), "host", data.numel()
+                    capsule = self._folder.reread(source)
+                    chunk = self._allocate("host", capsule.data.numel(), spare=source)
+                    chunk.data.copy_(capsule.data)
+                    pieces, tier, nbytes = laid_out(chunk, capsule.ranges), "host", capsule.data.numel()
                 else:
                     pieces, tier, nbytes = list(source.pieces), source.info.tier, 0
                 info = source.info._replace(name=name, parent=source.info.id, nbytes=nbytes, tier=tier, pinned=False,
@@ -283,21 +277,14 @@ class CapsuleStore:
     def check_compatible(self, capsule: Record | CapsuleInfo) -> None:
         """FingerprintMismatch unless the capsule was taken from this model and arena layout."""
         info = capsule.info if isinstance(capsule, Record) else capsule
-        if info.model_fingerprint != self.model_fingerprint:
-            raise FingerprintMismatch(
-                f"capsule {info.id} was taken from model {info.model_fingerprint}, this engine runs "
-                f"{self.model_fingerprint}")
-        if info.layout_fingerprint != self.layout.fingerprint:
-            raise FingerprintMismatch(
-                f"capsule {info.id} has arena layout {info.layout_fingerprint}, this engine has "
-                f"{self.layout.fingerprint} (other max_seq_len, dtype or model shape)")
+        check_compatible(info, self.model_fingerprint, self.layout.fingerprint)
 
     def verify(self, record: Record) -> None:
         """Re-hash the capsule's stored bytes; CorruptCapsule if they no longer match its digest."""
         with self._held:  # held throughout: a drop meanwhile would free, and a snapshot reuse, the bytes
             self.digests.finish(record)
             if record.info.tier == "disk":
-                self._read_disk(record)  # verifies on read
+                self._folder.reread(record)  # verifies on read
                 return
             actual = state_digest(self.layout.ranges(record.info.position), lambda s, e: self._read(record, s, e))
         if actual != record.info.digest:
@@ -313,8 +300,8 @@ class CapsuleStore:
         with self._held:
             position = record.info.position
             if record.info.tier == "disk":
-                data, ranges = self._read_disk(record)
-                pieces = laid_out(Chunk.holding("disk", data), ranges)
+                capsule = self._folder.reread(record)
+                pieces = laid_out(Chunk.holding("disk", capsule.data), capsule.ranges)
             else:
                 pieces = record.pieces
             wanted = (self.layout.group_ranges(position, groups) if groups is not None
@@ -535,86 +522,36 @@ class CapsuleStore:
                 log.exception("capsule event listener failed")
 
     # ---- disk tier -------------------------------------------------------------------------------
-    def _require_dir(self) -> Path:
-        if self.dir is None:
+    def _require_folder(self) -> CapsuleFolder:
+        if self._folder is None:
             raise InvalidCapsuleRequest("the disk tier needs a capsule_dir")
-        return self.dir
+        return self._folder
 
     def _add_disk(self, plan: SnapshotPlan) -> Record:
         plan.chunk.wait()
-        data = plan.chunk.data
-        read = disk_capsules.range_reader(plan.ranges, data)
+        read = range_reader(plan.ranges, plan.chunk.data)
         info = plan.info._replace(id=secrets.token_hex(8), created=time.time(),
                                   digest=state_digest(self.layout.ranges(plan.info.position), read),
                                   history_hash=history_digest(self.layout.regions, plan.info.position, read))
-        path = self._write_disk(info, plan.ranges, data, plan.log)
+        path = self._write_disk(info, plan.ranges, plan.chunk.data, plan.log)
         record = Record(info, [], plan.log, path)
         self._records[info.id] = record
         return record
 
     def _write_disk(self, info: CapsuleInfo, ranges: list[tuple[int, int]], data: torch.Tensor,
                     log_runs: tuple) -> Path:
-        folder = self._require_dir()
+        folder = self._require_folder()
         self._victims("disk", data.numel())   # refused here, nothing written or evicted yet
-        path = diskformat.path_for(folder, info.id)
-        diskformat.write(path, disk_capsules.header_for(info, ranges, log_runs), data, self._key)
+        path = folder.write(info, ranges, data, log_runs)
         try:
             # Older capsules leave only once the new one is safely on disk: a failed write
             # (a full disk) must not have cost them.
             self._make_room("disk", data.numel())
         except BaseException:
-            try:
-                diskformat.remove(path)
-            except OSError as exc:   # the refusal stands; the file may come back at the next start
-                log.warning("capsule file %s left behind after a refused write: %s", path.name, exc.strerror or exc)
+            folder.discard(path)
             raise
         self._used["disk"] += data.numel()
         return path
-
-    def _read_disk(self, record: Record) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Read and verify a disk capsule's bytes before anyone uses them: the same checks as at
-        start, and the file must still describe the capsule it did then."""
-        capsule = disk_capsules.reread(record.path, record.file_info, record.log, self.layout, self.log_kinds,
-                                       self._key)
-        self.check_compatible(capsule.info)
-        return capsule.data, capsule.ranges
-
-    def _load_disk(self) -> None:
-        folder = self.dir
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            stale_files = diskformat.stale_temp_files(folder)
-            files = sorted(folder.glob(f"*{diskformat.SUFFIX}"))
-        except OSError as exc:
-            raise CapsuleIOError(f"capsule_dir {folder}: {exc.strerror or exc}") from None
-        for stale in stale_files:   # debris of an interrupted write: never a capsule
-            try:
-                stale.unlink(missing_ok=True)
-            except OSError as exc:   # a read-only folder still serves its capsules
-                log.warning("cannot remove %s, left by an interrupted write: %s", stale.name, exc.strerror or exc)
-        loaded = []
-        for path in files:
-            try:
-                capsule = disk_capsules.read(path, self.layout, self.log_kinds, self._key)
-                self.check_compatible(capsule.info)
-            except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
-                log.warning("skipping capsule file %s: %s", path.name, exc)
-                continue
-            loaded.append(Record(capsule.info, [], capsule.log, path))
-        now, names = time.time(), set()
-        for record in sorted(loaded, key=lambda r: r.info.created):
-            info = record.info
-            if info.name and info.name in names:   # two engines shared the folder: the older one keeps it
-                log.warning("capsule file %s: name %r is taken by an older capsule; loaded without a name "
-                            "(its id still reaches it)", record.path.name, info.name)
-                info = record.info = info._replace(name="")
-            names.add(info.name)
-            # Least recently used first, across a restart too: by age.
-            record.last_used = time.monotonic() - max(0.0, now - info.created)
-            self._records[info.id] = record
-            self._used["disk"] += info.nbytes
-
-
 
 
 def _digest_final(record: Record) -> bool:
