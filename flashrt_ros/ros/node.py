@@ -137,7 +137,6 @@ class FlashRTNode(LifecycleNode):
             self.get_logger().error(f"configure failed: {outcome(exc)[1]}")
             return TransitionCallbackReturn.FAILURE
         self.session = Session(engine)
-        engine.capsules.subscribe(self._on_store_event)
         if vals["journal_path"]:
             try:
                 self._start_journal(vals)
@@ -518,8 +517,16 @@ class FlashRTNode(LifecycleNode):
             self.get_logger().error(f"{kind} event not published:\n{traceback.format_exc()}")
 
     def _poll(self) -> None:
-        """Leases that have run out end here, and "on change" status goes out."""
+        """Leases that have run out end here, the store's events and "on change" status go out."""
         session = self.session
+        if session is not None:
+            try:
+                for kind, info in session.engine.capsules.take_events():
+                    self._on_store_event(kind, info)
+            except Exception:   # like the status: an event that cannot go out must not stop the executor
+                if self.context.ok():
+                    self.get_logger().error(f"capsule event not published:\n{traceback.format_exc()}",
+                                            throttle_duration_sec=5.0)
         if session is not None and self._active:
             try:
                 for info in session.expire():
