@@ -1,8 +1,6 @@
 """Tiers and budgets: LRU spill down a tier or refuse, pinned capsules stay, every move is announced."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -12,6 +10,16 @@ from flashrt_ros.errors import ErrorCode
 from flashrt_ros.runtime import Engine, ModelConfig
 
 
+def _taker(store, shape=lambda kind, info: (kind, info.id, info.tier)):
+    """``events()``: every event the store has raised so far, as ``shape`` gives them."""
+    seen = []
+
+    def events() -> list:
+        seen.extend(shape(kind, info) for kind, info in store.take_events())
+        return seen
+    return events
+
+
 def _engine(tmp_path, spill: bool, capsules: int = 2):
     probe = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
     probe.prefill(list(range(50)))
@@ -19,10 +27,8 @@ def _engine(tmp_path, spill: bool, capsules: int = 2):
     budgets = {"device": capsules * (size + 256), "host": capsules * size, "disk": 100 * size}
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128, budgets=budgets, spill=spill,
                                 capsule_dir=tmp_path)
-    events = []
-    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.id, info.tier)))
     engine.prefill(list(range(50)))
-    return engine, events
+    return engine, _taker(engine.capsules)
 
 
 def _fresh_snapshot(engine, name, pin=False):
@@ -38,7 +44,7 @@ def test_spill_moves_the_least_recently_used_capsule_down_a_tier(tmp_path):
     third = _fresh_snapshot(engine, "third")
     tiers = {c.name: c.tier for c in engine.capsules.list()}
     assert tiers == {"first": "host", "second": "device", "third": "device"}
-    assert ("spill", first.id, "host") in events
+    assert ("spill", first.id, "host") in events()
     for _ in range(2):
         _fresh_snapshot(engine, None)
     assert {c.name: c.tier for c in engine.capsules.list()}["first"] == "disk"
@@ -75,7 +81,7 @@ def test_without_spill_a_full_tier_refuses_and_keeps_every_capsule(tmp_path):
     assert info.value.code == ErrorCode.BUDGET_EXCEEDED and "spill is off" in str(info.value)
     assert sorted(c.name for c in engine.capsules.list()) == ["a", "b"]
     assert engine.state_digest() == before
-    assert not [e for e in events if e[0] in ("spill", "evict")]
+    assert not [e for e in events() if e[0] in ("spill", "evict")]
 
 
 def test_pinned_capsules_are_never_evicted(tmp_path):
@@ -94,76 +100,64 @@ def test_drop_frees_the_bytes_and_list_get_find_by_id_or_name(tmp_path):
     assert engine.capsules.budget_bytes("device") > 0
     engine.capsules.drop("named")
     assert engine.capsules.list() == [] and engine.capsules.used_bytes("device") == 0
-    # get() waited for the background hash, which announced the final digest.
-    assert [e[0] for e in events] == ["snapshot", "digest", "drop"]
+    # get() made the digest final, which announced it.
+    assert [e[0] for e in events()] == ["snapshot", "digest", "drop"]
 
 
 def test_the_final_digest_is_announced_once_hashed_and_not_for_a_capsule_dropped_before(tmp_path):
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
-    digests = []
-    engine.capsules.subscribe(lambda kind, info: digests.append(info) if kind == "digest" else None)
     engine.prefill(list(range(1, 20)))
     gone = engine.snapshot("gone")
     assert gone.digest == "" and gone.history_hash == ""   # pending: the snapshot did not wait
-    engine.capsules.drop(gone.id)                          # before the worker was woken
+    engine.capsules.drop(gone.id)                          # hashed or not, its job goes with it
     kept = engine.snapshot("kept")
     final = engine.capsules.get(kept.id)
     assert final.digest and final.history_hash
+    digests = [info for kind, info in engine.capsules.take_events() if kind == "digest"]
     assert [(i.id, i.digest, i.history_hash) for i in digests] == [(kept.id, final.digest, final.history_hash)]
 
 
-def test_a_digest_listener_may_call_back_into_the_store_on_either_thread():
+def test_a_digest_is_announced_with_the_final_info_whether_the_worker_or_the_caller_hashed_it():
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
-    seen, done = [], threading.Event()
-
-    def on_event(kind, info):
-        if kind == "digest":   # the final info, asked for from inside the announcement
-            seen.append((info.id, engine.capsules.get(info.id).digest, threading.current_thread().name))
-            done.set()
-
-    engine.capsules.subscribe(on_event)
     engine.prefill(list(range(1, 20)))
     first = engine.snapshot("worker")
-    engine.prefill([3])                        # wakes the digest thread, which hashes "worker"
-    assert done.wait(10), "the digest thread's announcement never came back"
+    assert _digest_without_waiting(engine, first.id), "the digest worker never posted its result"
     assert engine.lock.acquire(timeout=5)       # and nothing kept the engine's lock
     engine.lock.release()
+    engine.capsules.digests.close()             # no worker: the next digest is hashed in this thread
     second = engine.snapshot("caller")
-    final = engine.capsules.get(second.id)      # hashed in this thread, announced here too
-    assert [(i, d) for i, d, _ in seen] == [(first.id, engine.capsules.get(first.id).digest),
-                                            (second.id, final.digest)]
-    assert seen[0][2] == "capsule-digest" and seen[1][2] == threading.current_thread().name
+    final = engine.capsules.get(second.id)
+    seen = [(info.id, info.digest) for kind, info in engine.capsules.take_events() if kind == "digest"]
+    assert seen == [(first.id, engine.capsules.get(first.id).digest), (second.id, final.digest)]
+    assert final.digest == engine.state_digest()
 
 
-def test_a_listener_that_drops_a_capsule_on_its_digest_event_while_it_is_spilled_loses_nothing(tmp_path):
+def test_a_capsule_dropped_on_its_digest_event_after_a_spill_finished_that_digest_loses_nothing(tmp_path):
     """Spilling "first" to make room for "second" finishes its digest in this thread. The
-    event waits for the spill to end, so the listener drops a capsule that is whole on host."""
+    owner takes the events once the snapshot is over, and drops a capsule whole on host."""
     engine, events = _engine(tmp_path, spill=True, capsules=1)
-    # No digest thread: else the step before "second" wakes it, it hashes "first" itself, and
-    # the spill only waits for it. Now the spill finishes the digest and announces it.
+    # No digest worker: else it may hash "first" itself, and the spill only collects it.
+    # Now the spill finishes the digest and announces it.
     engine.capsules.digests.close()
-    first = {}
-    engine.capsules.subscribe(lambda kind, info: engine.capsules.drop(info.id)
-                              if kind == "digest" and info.id == first.get("id") else None)
-    first["id"] = _fresh_snapshot(engine, "first").id
+    first = {"id": _fresh_snapshot(engine, "first").id}
     second = _fresh_snapshot(engine, "second")
+    for kind, cid, _ in list(events()):
+        if kind == "digest" and cid == first["id"]:
+            engine.capsules.drop(cid)
     assert [(c.name, c.tier) for c in engine.capsules.list()] == [("second", "device")]
-    kinds = [(kind, tier) for kind, cid, tier in events if cid == first["id"]]
+    kinds = [(kind, tier) for kind, cid, tier in events() if cid == first["id"]]
     assert kinds == [("snapshot", "device"), ("digest", "device"), ("spill", "host"), ("drop", "host")]
     assert engine.capsules.used_bytes("host") == 0
     engine.reset()
     engine.restore(second.id, verify=True)
 
 
-def test_a_listener_that_drops_a_capsule_while_a_spill_moves_it_frees_nothing_twice(tmp_path):
-    """B moves to host, which first pushes A to disk; A's spill event makes a listener drop B.
-    Delivered mid-move, that drop released B's device chunk twice: the fork F that shares it
-    lost its bytes to the next snapshot."""
+def test_a_capsule_dropped_on_the_spill_event_of_another_frees_nothing_twice(tmp_path):
+    """B moves to host, which first pushes A to disk; on A's spill event the owner drops B.
+    A drop in the middle of that move released B's device chunk twice: the fork F that
+    shares it lost its bytes to the next snapshot. Events are taken once the move is over."""
     engine, events = _engine(tmp_path, spill=True, capsules=1)
     store, ids = engine.capsules, {}
-    store.subscribe(lambda kind, info: store.drop(ids["b"])
-                    if kind == "spill" and info.id == ids.get("a") and info.tier == "disk" and "b" in ids
-                    else None)
     ids["a"] = store.get(_fresh_snapshot(engine, "a").id).id          # device, then host
     ids["b"] = store.get(_fresh_snapshot(engine, "b").id).id          # device; a to host
     fork = engine.fork(ids["b"], "f")
@@ -171,8 +165,10 @@ def test_a_listener_that_drops_a_capsule_while_a_spill_moves_it_frees_nothing_tw
     engine.reset()
     engine.prefill([(t * 7 + 3) % 100 for t in range(50)])
     c = engine.snapshot("c")                                        # b down the tiers, f to host
+    assert ("spill", ids["a"], "disk") in events()
+    store.drop(ids["b"])
     assert ids["b"] not in [c.id for c in store.list()]
-    order = [(kind, cid) for kind, cid, _ in events]
+    order = [(kind, cid) for kind, cid, _ in events()]
     assert order.index(("drop", ids["b"])) > order.index(("snapshot", c.id))   # after the whole move
     assert store.used_bytes("host") == sum(c.nbytes for c in store.list("host"))
     assert store.used_bytes("disk") == sum(c.nbytes for c in store.list("disk"))
@@ -181,54 +177,52 @@ def test_a_listener_that_drops_a_capsule_while_a_spill_moves_it_frees_nothing_tw
     engine.restore(fork.id, verify=True)
 
 
-def test_a_listener_interrupted_by_ctrl_c_does_not_keep_the_other_events_back(tmp_path):
-    engine, events = _engine(tmp_path, spill=True, capsules=1)
-    interrupted = []
-
-    def listener(kind, info):
-        if kind == "spill" and not interrupted:
-            interrupted.append(info.id)
-            raise KeyboardInterrupt
-
-    engine.capsules.subscribe(listener)
-    _fresh_snapshot(engine, "first")
-    with pytest.raises(KeyboardInterrupt):
-        _fresh_snapshot(engine, "second")   # spills "first": the listener raises on its event
-    # Before any other store call (its end would send what was left over):
-    assert not engine.capsules._held.events and interrupted
+def test_events_are_taken_once_each_in_the_order_they_happened(tmp_path):
+    engine, _ = _engine(tmp_path, spill=True, capsules=1)
+    first = _fresh_snapshot(engine, "first")
+    second = _fresh_snapshot(engine, "second")   # spills "first"
+    events = [(kind, info.id) for kind, info in engine.capsules.take_events() if kind != "digest"]
+    assert events == [("snapshot", first.id), ("spill", first.id), ("snapshot", second.id)]
     assert events[-1][0] == "snapshot" and events[-1][1] == engine.capsules.get("second").id
+    assert [kind for kind, _ in engine.capsules.take_events()] in ([], ["digest"])   # nothing twice
+
+
+def test_an_owner_that_never_takes_the_events_keeps_only_the_latest():
+    from flashrt_ros.capsule.store import EVENTS_KEPT
+
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
+    engine.prefill([1, 2, 3])
+    for _ in range(EVENTS_KEPT // 2 + 1):   # a snapshot and a drop each
+        engine.capsules.drop(engine.snapshot().id)
+    last = engine.snapshot()
+    events = engine.capsules.take_events()
+    assert len(events) <= EVENTS_KEPT and events[-1] == ("snapshot", last)
 
 
 def test_no_digest_event_follows_the_drop_of_its_capsule():
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128)
-    events, lock = [], threading.Lock()
-
-    def record(kind, info):
-        with lock:
-            events.append((kind, info.id))
-
-    engine.capsules.subscribe(record)
+    events = _taker(engine.capsules, lambda kind, info: (kind, info.id))
     engine.prefill(list(range(1, 20)))
-    for _ in range(60):   # the digest thread hashes while this one drops: a race, run many times
+    for _ in range(60):   # the digest worker hashes while this thread drops: a race, run many times
         capsule = engine.snapshot()
-        engine.prefill([5])   # wakes the digest thread
+        engine.prefill([5])
         engine.capsules.drop(capsule.id)
+        events()
     engine.capsules.get(engine.snapshot().id)   # the queue is drained past every dropped capsule
-    with lock:
-        dropped_at = {cid: i for i, (kind, cid) in enumerate(events) if kind == "drop"}
-        late = [cid for i, (kind, cid) in enumerate(events) if kind == "digest" and i > dropped_at.get(cid, i)]
+    dropped_at = {cid: i for i, (kind, cid) in enumerate(events()) if kind == "drop"}
+    late = [cid for i, (kind, cid) in enumerate(events()) if kind == "digest" and i > dropped_at.get(cid, i)]
     assert len(dropped_at) == 60 and late == []
 
 
 def test_a_fork_of_a_hashed_capsule_takes_its_digest_and_one_of_a_pending_capsule_is_hashed(tmp_path):
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=128, capsule_dir=tmp_path)
-    events = []
-    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.id)))
+    events = _taker(engine.capsules, lambda kind, info: (kind, info.id))
     engine.prefill(list(range(1, 20)))
     source = engine.capsules.get(engine.snapshot("source").id)       # waits: hashed
     fork = engine.fork(source.id)
     assert (fork.digest, fork.history_hash) == (source.digest, source.history_hash) != ("", "")
-    assert ("digest", fork.id) not in events                          # nothing was queued for it
+    assert ("digest", fork.id) not in events()                        # nothing was queued for it
+    assert engine.capsules.resolve(fork.id).job is None
     on_disk = engine.snapshot("on-disk", tier="disk")                 # a disk capsule's digest is final
     from_disk = engine.fork(on_disk.id)
     assert from_disk.digest == on_disk.digest != "" and from_disk.tier == "host"
@@ -449,7 +443,6 @@ def test_a_snapshot_that_could_not_fit_after_spilling_moves_no_capsule_before_it
     assert small < big <= 4 * small   # fits the pool, but neither a freed slot nor the free tail
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=256, spill=True,
                                 budgets={"device": 4 * small, "host": _full_size(8) + 1})
-    events = []
     for pin in (True, False, True):              # pinned, unpinned, pinned, back to back in the pool
         engine.reset()
         engine.prefill(list(range(1, 9)))
@@ -460,9 +453,10 @@ def test_a_snapshot_that_could_not_fit_after_spilling_moves_no_capsule_before_it
     before = {c.id: c.tier for c in engine.capsules.list()}
     engine.reset()
     engine.prefill(list(range(1, 41)))
-    engine.capsules.subscribe(lambda kind, info: events.append(kind))
+    engine.capsules.take_events()
     with pytest.raises(BudgetExceeded, match="would not fit even after spilling"):
         engine.snapshot()
+    events = [kind for kind, _ in engine.capsules.take_events()]
     # Digests of the earlier snapshots may finish meanwhile; nothing else may happen.
     assert {c.id: c.tier for c in engine.capsules.list()} == before and set(events) <= {"digest"}
 
@@ -501,9 +495,9 @@ def test_a_spill_the_tier_below_cannot_take_evicts_instead_of_failing_half_way()
     engine.prefill(list(range(1, 7)))
     engine.snapshot("B")
     engine.prefill(list(range(1, 11)))                  # C needs the space of both
-    events = []
-    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.name)))
+    engine.capsules.take_events()
     engine.snapshot("C")
+    events = [(kind, info.name) for kind, info in engine.capsules.take_events()]
     assert {c.name: c.tier for c in engine.capsules.list()} == {"A": "host", "P": "host", "C": "device"}
     assert ("spill", "A") in events and ("evict", "B") in events
 
@@ -514,14 +508,13 @@ def test_a_fork_of_a_disk_capsule_never_spills_its_own_source_out_of_a_full_disk
     size = probe.snapshot().nbytes
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64, capsule_dir=tmp_path, spill=True,
                                 budgets={"device": 4 * (size + 256), "host": size, "disk": size})
-    events = []
-    engine.capsules.subscribe(lambda kind, info: events.append((kind, info.name, info.tier)))
     engine.prefill(list(range(20)))
     source = engine.snapshot("source", tier="disk")                  # the disk tier is full
     engine.reset()
     engine.prefill(list(range(1, 21)))
     engine.snapshot("on-host", tier="host")                          # and so is the host tier
     child = engine.fork("source", "child")   # host room: "on-host" cannot go down, so it goes
+    events = [(kind, info.name, info.tier) for kind, info in engine.capsules.take_events()]
     assert [(i.name, i.tier) for i in engine.capsules.list()] == [("source", "disk"), ("child", "host")]
     assert [e for e in events if e[0] in ("evict", "spill", "fork")] == [("evict", "on-host", "host"),
                                                                           ("fork", "child", "host")]

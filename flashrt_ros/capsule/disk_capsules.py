@@ -1,11 +1,14 @@
-"""Capsule files in ``capsule_dir``: the header a capsule is written with, and every check a
-file passes before its bytes are trusted (on load at start, and again on each read).
+"""Capsule files in ``capsule_dir``: the folder of the disk tier (``CapsuleFolder``), the header
+a capsule is written with, and every check a file passes before its bytes are trusted (on load
+at start, and again on each read).
 
 The byte format itself (safetensors, atomic writes) is ``diskformat``'s; the budget and
 the records are the store's.
 """
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
@@ -14,9 +17,12 @@ import torch
 from ..digest import history_digest, state_digest
 from ..errors import shown
 from . import diskformat
-from .errors import CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest
-from .info import CapsuleInfo, check_name, is_capsule_id
+from .errors import CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest
+from .info import CapsuleInfo, check_compatible, check_name, is_capsule_id
 from .layout import Layout
+from .pieces import Record
+
+log = logging.getLogger(__name__)
 
 
 class DiskCapsule(NamedTuple):
@@ -28,13 +34,83 @@ class DiskCapsule(NamedTuple):
     data: torch.Tensor
 
 
+class CapsuleFolder:
+    """The capsule files of one folder, each written whole or not at all, and read back only
+    through every check a capsule file passes, and as a capsule of this engine's model and
+    layout. Which capsules stay, and the bytes they count, are the store's to decide."""
+
+    def __init__(self, path: Path, layout: Layout, kinds: frozenset[str], model_fingerprint: str,
+                 key: bytes | None) -> None:
+        self.path, self.layout, self.kinds = path, layout, kinds
+        self.model_fingerprint, self.key = model_fingerprint, key
+
+    def write(self, info: CapsuleInfo, ranges: list[tuple[int, int]], data: torch.Tensor, log_runs: tuple) -> Path:
+        path = diskformat.path_for(self.path, info.id)
+        diskformat.write(path, header_for(info, ranges, log_runs), data, self.key)
+        return path
+
+    def discard(self, path: Path) -> None:
+        """Remove the file of a capsule refused after it was written (the refusal stands)."""
+        try:
+            diskformat.remove(path)
+        except OSError as exc:   # the file may come back at the next start
+            log.warning("capsule file %s left behind after a refused write: %s", path.name, exc.strerror or exc)
+
+    def reread(self, record: Record) -> DiskCapsule:
+        """A disk capsule's file read and checked again: it must still describe the capsule it
+        described when it was loaded or written."""
+        capsule = reread(record.path, record.file_info, record.log, self.layout, self.kinds, self.key)
+        self.check(capsule.info)
+        return capsule
+
+    def check(self, info: CapsuleInfo) -> None:
+        check_compatible(info, self.model_fingerprint, self.layout.fingerprint)
+
+    def load(self) -> list[Record]:
+        """The records of the capsule files that pass every check, oldest first, least recently
+        used by age. Files that do not pass are skipped with a warning; leftovers of an
+        interrupted write are removed. Two files with one name (two engines shared the
+        folder): the older capsule keeps it, the other is reached by its id."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            stale_files = diskformat.stale_temp_files(self.path)
+            files = sorted(self.path.glob(f"*{diskformat.SUFFIX}"))
+        except OSError as exc:
+            raise CapsuleIOError(f"capsule_dir {self.path}: {exc.strerror or exc}") from None
+        for stale in stale_files:   # debris of an interrupted write: never a capsule
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError as exc:   # a read-only folder still serves its capsules
+                log.warning("cannot remove %s, left by an interrupted write: %s", stale.name, exc.strerror or exc)
+        loaded = []
+        for path in files:
+            try:
+                capsule = read(path, self.layout, self.kinds, self.key)
+                self.check(capsule.info)
+            except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
+                log.warning("skipping capsule file %s: %s", path.name, exc)
+                continue
+            loaded.append(Record(capsule.info, [], capsule.log, path))
+        loaded.sort(key=lambda r: r.info.created)
+        now, names = time.time(), set()
+        for record in loaded:
+            info = record.info
+            if info.name and info.name in names:
+                log.warning("capsule file %s: name %r is taken by an older capsule; loaded without a name "
+                            "(its id still reaches it)", record.path.name, info.name)
+                info = record.info = info._replace(name="")
+            names.add(info.name)
+            record.last_used = time.monotonic() - max(0.0, now - info.created)
+        return loaded
+
+
 def read(path: Path, layout: Layout, kinds: frozenset[str], key: bytes | None = None) -> DiskCapsule:
     """The capsule file at ``path``, with every check a capsule file passes: the one validation,
     run when the folder is loaded at start and again on each read of a capsule loaded or
     written before, so that a file one path accepts the other does not refuse.
     Raises CorruptCapsule (UntrustedCapsule without a valid signature, with a ``key``),
     FingerprintMismatch for another region table, or CapsuleIOError. Whether the capsule is
-    this engine's model and layout is the store's check (``check_compatible``)."""
+    this engine's model and layout is ``check_compatible``'s."""
     header, data = diskformat.read(path, most_bytes(layout), most_header_chars(layout), key)
     info = info_from_header(header, layout.table)
     ranges = [tuple(r) for r in header["ranges"]]

@@ -9,7 +9,7 @@ import re
 from typing import NamedTuple, Protocol
 
 from ..errors import shown
-from .errors import InvalidCapsuleRequest
+from .errors import FingerprintMismatch, InvalidCapsuleRequest
 
 TIERS = ("device", "host", "disk")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -73,7 +73,29 @@ def is_capsule_id(text: str) -> bool:
     return isinstance(text, str) and _ID.fullmatch(text) is not None
 
 
+def check_budgets(budgets: dict[str, int]) -> dict[str, int]:
+    """A copy of ``budgets`` (bytes per tier), each a known tier with an int >= 0."""
+    unknown = sorted(set(budgets) - set(TIERS), key=repr)
+    if unknown:
+        raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
+    for tier, value in budgets.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidCapsuleRequest(f"budget for {tier} must be an int >= 0, got {value!r}")
+    return dict(budgets)
+
+
 def check_tier(tier: str) -> str:
     if tier not in TIERS:
         raise InvalidCapsuleRequest(f"unknown tier {shown(tier)}; tiers are {', '.join(TIERS)}")
     return tier
+
+
+def check_compatible(info: CapsuleInfo, model_fingerprint: str, layout_fingerprint: str) -> None:
+    """FingerprintMismatch unless the capsule was taken from this model and arena layout."""
+    if info.model_fingerprint != model_fingerprint:
+        raise FingerprintMismatch(
+            f"capsule {info.id} was taken from model {info.model_fingerprint}, this engine runs {model_fingerprint}")
+    if info.layout_fingerprint != layout_fingerprint:
+        raise FingerprintMismatch(
+            f"capsule {info.id} has arena layout {info.layout_fingerprint}, this engine has "
+            f"{layout_fingerprint} (other max_seq_len, dtype or model shape)")

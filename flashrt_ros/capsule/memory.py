@@ -12,6 +12,7 @@ import bisect
 import torch
 
 from ..hugepages import empty_huge
+from .errors import InvalidCapsuleRequest
 
 _ALIGN = 256
 
@@ -59,9 +60,14 @@ class DevicePool:
     """A fixed buffer with first-fit allocation; ``allocate`` returns None when nothing fits."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
+        """InvalidCapsuleRequest if ``device`` has no room for ``nbytes``."""
         self.nbytes = nbytes
-        # Huge pages on a CPU, as the arena has: snapshot and restore stream between the two.
-        self.buffer = empty_huge((nbytes,), torch.uint8, device)
+        try:
+            # Huge pages on a CPU, as the arena has: snapshot and restore stream between the two.
+            self.buffer = empty_huge((nbytes,), torch.uint8, device)
+        except (RuntimeError, MemoryError) as exc:   # torch's out-of-memory errors are RuntimeErrors
+            raise InvalidCapsuleRequest(f"the device budget of {nbytes} bytes cannot be allocated on {device}: "
+                                        f"{str(exc).splitlines()[0][:200]}") from None
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []   # sorted (offset, size)
 
     @staticmethod

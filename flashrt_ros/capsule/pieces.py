@@ -8,6 +8,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from .errors import CorruptCapsule
 from .info import CapsuleInfo
 from .memory import Chunk
 
@@ -35,7 +36,7 @@ class Record:
         # of the file must give it again (``info`` may differ: a name taken by an older capsule).
         self.file_info = info if path is not None else None
         self.last_used = time.monotonic()
-        self.job = None   # the digest job (see DigestQueue); None: the digest is final
+        self.job = None   # the digest job pending (``digest_worker``); None: the digest is final
 
     def pieces_in(self, start: int, end: int) -> list[Piece]:
         return cut(self.pieces, start, end)
@@ -49,6 +50,14 @@ def cut(pieces: Sequence[Piece], start: int, end: int) -> list[Piece]:
         if s < e:
             out.append(Piece(s, e, p.chunk, p.offset + s - p.start))
     return out
+
+
+def read_pieces(pieces: Sequence[Piece], start: int, end: int) -> list:
+    """Arena bytes [start, end) of ``pieces`` for the CPU to read, as NumPy arrays in order."""
+    parts = [p.chunk.readable(p.offset, p.end - p.start) for p in cut(pieces, start, end)]
+    if sum(p.size for p in parts) != end - start:
+        raise CorruptCapsule(f"capsule pieces do not cover arena bytes [{start}, {end})")
+    return parts
 
 
 def laid_out(chunk: Chunk, ranges: Sequence[tuple[int, int]]) -> list[Piece]:

@@ -5,8 +5,19 @@ are immutable and reference-counted, so a fork or a snapshot that extends an ear
 token prefix points at the earlier chunk instead of copying it: N branches of a P-token prefix
 cost about P + N * delta bytes. The store is bookkeeping: for a snapshot or a restore it hands
 the engine a plan (``plans``), the byte copies and what they make, and the engine carries it
-out. Digests are computed off the snapshot path by one background thread, from the capsule's
-own immutable copy.
+out. The disk tier's files are ``disk_capsules.CapsuleFolder``'s.
+
+Records, tier bytes and events change under the store's lock only. Digests are hashed off the
+snapshot path by a worker (``digest_worker``), started when the owner says a long step begins
+(``start_digests``), that posts its results; the store collects them whenever it is entered, and at once where it needs a digest (``get``, ``verify``, a spill). A
+capsule that leaves the store takes its job back from the queue, or waits for the one hash
+running, so the worker never reads bytes no capsule holds, and the bytes a tier counts are
+those of the capsules in it, whatever the worker is doing: budget decisions, and with them
+refusals and evictions, are the same in a live run and in its replay. A digest, once
+collected, is final.
+
+Events (snapshot, fork, drop, spill, evict, digest) are kept for the owner to take
+(``take_events``), the latest ``EVENTS_KEPT`` of them.
 """
 from __future__ import annotations
 
@@ -14,22 +25,24 @@ import logging
 import secrets
 import threading
 import time
+import weakref
+from collections import deque
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from ..digest import history_digest, state_digest
 from ..errors import shown
-from . import disk_capsules, diskformat
-from .digest_queue import FINISHED, SETTLED, DigestQueue
-from .errors import (BudgetExceeded, CapsuleIOError, CorruptCapsule, FingerprintMismatch, InvalidCapsuleRequest,
-                     UnknownCapsule)
-from .held_events import HeldEvents, Lockable
-from .info import TIERS, CapsuleInfo, check_name, check_tier
+from . import diskformat
+from .digest_worker import DigestJob, DigestWorker
+from .disk_capsules import CapsuleFolder, range_reader
+from .errors import BudgetExceeded, CapsuleIOError, CorruptCapsule, InvalidCapsuleRequest, UnknownCapsule
+from .info import TIERS, CapsuleInfo, check_budgets, check_compatible, check_name, check_tier
 from .layout import Layout
 from .memory import Chunk, DevicePool, host_chunk
-from .pieces import Piece, Record, chunks_of, cut, laid_out, same_bytes_until
+from .pieces import Piece, Record, chunks_of, laid_out, read_pieces, same_bytes_until
 from .plans import RestorePlan, SnapshotPlan
 
 log = logging.getLogger(__name__)
@@ -40,6 +53,8 @@ _LOWER = {"device": "host", "host": "disk", "disk": None}
 # region, so past the bound the rows are copied whole and the chain starts over, and no
 # snapshot's bookkeeping grows with the chain.
 SHARE_PIECES = 64
+# Events an owner that never takes them leaves behind at most (the oldest go first).
+EVENTS_KEPT = 1024
 
 
 class CapsuleStore:
@@ -47,61 +62,73 @@ class CapsuleStore:
 
     def __init__(self, layout: Layout, model_fingerprint: str, device: torch.device,
                  budgets: dict[str, int], spill: bool, capsule_dir: str | Path | None,
-                 on_event: Callable[[str, CapsuleInfo], None] | None = None,
-                 lock: Lockable | None = None, log_kinds: Iterable[str] = (), key: bytes | None = None) -> None:
-        """``key``: sign every capsule file written, and refuse any read without a valid
+                 lock: AbstractContextManager | None = None, log_kinds: Iterable[str] = (),
+                 key: bytes | None = None) -> None:
+        """``lock``: a reentrant lock (the engine's own: one lock orders every state change).
+        ``key``: sign every capsule file written, and refuse any read without a valid
         signature (``signing``); None: files carry digests only."""
-        unknown = sorted(set(budgets) - set(TIERS), key=repr)
-        if unknown:
-            raise InvalidCapsuleRequest(f"budgets name unknown tiers {unknown}; tiers are {', '.join(TIERS)}")
-        for tier, value in budgets.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidCapsuleRequest(f"budget for {tier} must be an int >= 0, got {value!r}")
+        self._budgets = check_budgets(budgets)
         self.layout, self.model_fingerprint, self.device = layout, model_fingerprint, device
         self.log_kinds = frozenset(log_kinds)   # boundary kinds the engine can replay
         self._key = key
         self.spill = spill
-        self._budgets = dict(budgets)
         self._used = {t: 0 for t in TIERS}
         self._records: dict[str, Record] = {}
         # Capsules the call in progress works from: no spill it sets off, however far down the
         # tiers it cascades, may move or evict them.
         self._spared: list[Record] = []
-        # The engine passes its own lock: one lock orders every state change, the digest
-        # thread's included.
         self._lock = lock or threading.RLock()
-        self._held = HeldEvents(self._lock, self._deliver)
-        self._listeners: list[Callable[[str, CapsuleInfo], None]] = [on_event] if on_event else []
+        self._events: deque[tuple[str, CapsuleInfo]] = deque(maxlen=EVENTS_KEPT)
         self._pin_host = device.type == "cuda"
-        try:
-            self.pool = DevicePool(self._budgets.get("device", 0), device)
-        except (RuntimeError, MemoryError) as exc:   # torch's out-of-memory errors are RuntimeErrors
-            raise InvalidCapsuleRequest(f"the device budget of {self._budgets.get('device', 0)} bytes cannot be "
-                                        f"allocated on {device}: {str(exc).splitlines()[0][:200]}") from None
+        self.pool = DevicePool(self._budgets.get("device", 0), device)
         self.dir = Path(capsule_dir) if capsule_dir else None
-        self.digests = DigestQueue(self._compute_digest, self._release, self._lock, self._announce_digest)
-        if self.dir is not None:
-            self._load_disk()
+        self._folder = (CapsuleFolder(self.dir, layout, self.log_kinds, model_fingerprint, key)
+                        if self.dir is not None else None)
+        self.digests = DigestWorker(layout)
+        # A store dropped unclosed stops its worker, which lets go of the jobs it holds.
+        weakref.finalize(self, self.digests.stop)
+        if self._folder is not None:
+            for record in self._folder.load():
+                self._records[record.info.id] = record
+                self._used["disk"] += record.info.nbytes
 
     # ---- public queries ------------------------------------------------------------------------
-    def subscribe(self, listener: Callable[[str, CapsuleInfo], None]) -> None:
-        """``listener(kind, info)`` for every capsule event: snapshot, fork, drop, spill, evict."""
-        self._listeners.append(listener)
+    def take_events(self) -> list[tuple[str, CapsuleInfo]]:
+        """The capsule events since the last take, oldest first, each (kind, info): snapshot,
+        fork, drop, spill, evict, and digest once a capsule's background hash is collected
+        (never after the capsule's drop or eviction). Taken under the lock, so each
+        operation's events are all there or none."""
+        with self._lock:
+            self._collect()
+            events = list(self._events)
+            self._events.clear()
+        return events
+
+    def start_digests(self) -> None:
+        """Let the digest worker start on the capsules queued so far: the caller is about to
+        run a long step, during which hashing costs its calls least (``digest_worker``)."""
+        self.digests.wake()
+
+    def operation(self) -> AbstractContextManager:
+        """``with store.operation():`` around several calls that make one operation (a snapshot's
+        plan, copy and add): nothing else enters the store between them."""
+        return self._lock
 
     def list(self, tier: str | None = None) -> list[CapsuleInfo]:
         """Every capsule, or those of one tier (None or "" lists all)."""
         if tier not in (None, ""):
             check_tier(tier)
-        with self._held:
+        with self._lock:
+            self._collect()
             return [r.info for r in self._records.values() if tier in (None, "", r.info.tier)]
 
     def get(self, ref: str | CapsuleInfo, wait: bool = True) -> CapsuleInfo:
-        """The capsule's info; with ``wait`` its digest is filled in first (computed here if
-        the digest thread has not reached it)."""
-        with self._held:  # one hold: a drop in between would leave a cancelled job's empty digest
+        """The capsule's info; with ``wait`` its digest is final (computed here if the digest
+        worker has not started on it)."""
+        with self._lock:  # one hold: a drop in between would leave a cancelled job's empty digest
             record = self.resolve(ref)
             if wait:
-                self.digests.finish(record)
+                self._finish(record)
             return record.info
 
     @property
@@ -119,7 +146,8 @@ class CapsuleStore:
         key = ref.id if isinstance(ref, CapsuleInfo) else ref
         if not isinstance(key, str) or not key:
             raise InvalidCapsuleRequest(f"a capsule is named by a non-empty id or name, got {shown(key)}")
-        with self._held:
+        with self._lock:
+            self._collect()
             record = self._records.get(key)
             if record is None:
                 record = next((r for r in self._records.values() if r.info.name == key), None)
@@ -127,18 +155,14 @@ class CapsuleStore:
             raise UnknownCapsule(f"no capsule with id or name {shown(key)}")
         return record
 
-    def keeps(self, record: Record) -> bool:
-        """Whether ``record`` is still in the store (not dropped or evicted)."""
-        with self._held:
-            return self._records.get(record.info.id) is record
-
     def kept(self, capsule_id: str) -> Record | None:
         """The capsule with this id, if the store still holds it."""
-        with self._held:
+        with self._lock:
+            self._collect()
             return self._records.get(capsule_id)
 
     def drop(self, ref: str | CapsuleInfo) -> CapsuleInfo:
-        with self._held:
+        with self._lock:
             record = self.resolve(ref)
             if record.path is not None:
                 # The file first: one left behind would bring the capsule back at the next start.
@@ -147,7 +171,7 @@ class CapsuleStore:
                 except OSError as exc:
                     raise CapsuleIOError(f"cannot drop capsule {record.info.id}: {exc.strerror or exc}") from None
             self._remove(record, unlink=False)
-            self._emit("drop", record.info)
+            self._events.append(("drop", record.info))
         return record.info
 
     # ---- capture ---------------------------------------------------------------------------------
@@ -162,11 +186,12 @@ class CapsuleStore:
         """
         name = check_name(name)
         check_tier(tier)
-        with self._held:
+        with self._lock:
+            self._collect()
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             if tier == "disk":
-                self._require_dir()
+                self._require_folder()
             source = self._records.get(base[0]) if base else None
             shared, start = self._shared_prefix(source, base[1] if base else 0, tier, position)
             nbytes = self.layout.ranges_bytes(position, start)
@@ -192,7 +217,8 @@ class CapsuleStore:
     def add(self, plan: SnapshotPlan) -> Record:
         """The capsule of a snapshot plan whose copies are done. A disk capsule is written to its
         file here (CapsuleIOError if that fails; nothing is kept then)."""
-        with self._held:
+        with self._lock:
+            self._collect()
             if plan.added:
                 raise InvalidCapsuleRequest("this snapshot plan is a capsule already")
             if plan.tier == "disk":
@@ -201,19 +227,15 @@ class CapsuleStore:
                 pieces = sorted(plan.shared + plan.copied, key=lambda q: q.start) if plan.shared else plan.copied
                 record = self._register(pieces, plan.info, plan.log)
                 plan.added = True   # its chunk is the record's now, whatever comes next
-                self.digests.submit(record, list(record.pieces))
+                self._submit(record)
             plan.added = True
-            self._emit("snapshot", record.info)
+            self._events.append(("snapshot", record.info))
         return record
-
-    def operation(self) -> HeldEvents:
-        """``with store.operation():`` around several calls that make one operation (a snapshot's
-        plan, copy and add): the events they raise reach listeners once all of it is done."""
-        return self._held
 
     def discard(self, plan: SnapshotPlan) -> None:
         """Give back the memory of a snapshot plan that did not become a capsule."""
-        with self._held:
+        with self._lock:
+            self._collect()
             if not plan.added and plan.tier != "disk":
                 plan.added = True   # once only
                 self._free(plan.chunk)
@@ -235,31 +257,33 @@ class CapsuleStore:
         """A new capsule with the same bytes as ``source``: metadata only, every chunk shared.
         Same bytes, same digest: one the source has already is taken over, not hashed again."""
         name = check_name(name)
-        with self._held:
+        with self._lock:
+            self._collect()
             if name and any(r.info.name == name for r in self._records.values()):
                 raise InvalidCapsuleRequest(f"capsule name {name!r} is already used")
             source.last_used = time.monotonic()   # in use: the room the fork needs must not cost it
             chunk: Chunk | None = None
             record: Record | None = None
-            known = (source.info.digest, source.info.history_hash) if _digest_final(source) else None
+            final = source.job is None and source.info.digest != ""   # "" and no job: its hash failed
             try:
                 if source.info.tier == "disk":
-                    data, ranges = self._read_disk(source)
-                    chunk = self._allocate("host", data.numel(), spare=source)
-                    chunk.data.copy_(data)
-                    pieces, tier, nbytes = laid_out(chunk, ranges), "host", data.numel()
+                    capsule = self._folder.reread(source)
+                    chunk = self._allocate("host", capsule.data.numel(), spare=source)
+                    chunk.data.copy_(capsule.data)
+                    pieces, tier, nbytes = laid_out(chunk, capsule.ranges), "host", capsule.data.numel()
                 else:
                     pieces, tier, nbytes = list(source.pieces), source.info.tier, 0
                 info = source.info._replace(name=name, parent=source.info.id, nbytes=nbytes, tier=tier, pinned=False,
-                                            digest=known[0] if known else "", history_hash=known[1] if known else "")
-                record = self._register(pieces, info, source.log, final=known is not None)
+                                            digest=source.info.digest if final else "",
+                                            history_hash=source.info.history_hash if final else "")
+                record = self._register(pieces, info, source.log)
             except BaseException:   # a Ctrl-C included: a fork that failed keeps no host bytes
                 if record is None and chunk is not None:
                     self._free(chunk)
                 raise
-            if known is None:
-                self.digests.submit(record, list(pieces))
-            self._emit("fork", record.info)
+            if not final:
+                self._submit(record)
+            self._events.append(("fork", record.info))
         return record
 
     # ---- restore ---------------------------------------------------------------------------------
@@ -268,7 +292,8 @@ class CapsuleStore:
         capsule ``other_id`` keeps them in (0 if the store no longer holds it): a fork shares
         them all, and a snapshot that extended the other shares its prefix. Chunks are
         immutable, so equal bytes follow."""
-        with self._held:
+        with self._lock:
+            self._collect()
             other = self._records.get(other_id)
             if other is None:
                 return 0
@@ -283,23 +308,18 @@ class CapsuleStore:
     def check_compatible(self, capsule: Record | CapsuleInfo) -> None:
         """FingerprintMismatch unless the capsule was taken from this model and arena layout."""
         info = capsule.info if isinstance(capsule, Record) else capsule
-        if info.model_fingerprint != self.model_fingerprint:
-            raise FingerprintMismatch(
-                f"capsule {info.id} was taken from model {info.model_fingerprint}, this engine runs "
-                f"{self.model_fingerprint}")
-        if info.layout_fingerprint != self.layout.fingerprint:
-            raise FingerprintMismatch(
-                f"capsule {info.id} has arena layout {info.layout_fingerprint}, this engine has "
-                f"{self.layout.fingerprint} (other max_seq_len, dtype or model shape)")
+        check_compatible(info, self.model_fingerprint, self.layout.fingerprint)
 
     def verify(self, record: Record) -> None:
         """Re-hash the capsule's stored bytes; CorruptCapsule if they no longer match its digest."""
-        with self._held:  # held throughout: a drop meanwhile would free, and a snapshot reuse, the bytes
-            self.digests.finish(record)
+        with self._lock:  # held throughout: a drop meanwhile would free, and a snapshot reuse, the bytes
+            self._collect()
+            self._finish(record)
             if record.info.tier == "disk":
-                self._read_disk(record)  # verifies on read
+                self._folder.reread(record)  # verifies on read
                 return
-            actual = state_digest(self.layout.ranges(record.info.position), lambda s, e: self._read(record, s, e))
+            actual = state_digest(self.layout.ranges(record.info.position),
+                                  lambda s, e: read_pieces(record.pieces, s, e))
         if actual != record.info.digest:
             raise CorruptCapsule(f"capsule {record.info.id}: stored bytes no longer match its digest")
 
@@ -310,11 +330,12 @@ class CapsuleStore:
         already (the live state descends from it), so they are not copied again. A disk
         capsule's file is read and verified here, into memory the plan owns.
         """
-        with self._held:
+        with self._lock:
+            self._collect()
             position = record.info.position
             if record.info.tier == "disk":
-                data, ranges = self._read_disk(record)
-                pieces = laid_out(Chunk.holding("disk", data), ranges)
+                capsule = self._folder.reread(record)
+                pieces = laid_out(Chunk.holding("disk", capsule.data), capsule.ranges)
             else:
                 pieces = record.pieces
             wanted = (self.layout.group_ranges(position, groups) if groups is not None
@@ -322,18 +343,48 @@ class CapsuleStore:
             record.last_used = time.monotonic()
             return RestorePlan(record, pieces, wanted)
 
-    # ---- internals -------------------------------------------------------------------------------
-    def _register(self, pieces: list[Piece], info: CapsuleInfo, log_runs: tuple, final: bool = False) -> Record:
-        """A new capsule of ``info`` (its id and creation time made here) over ``pieces``.
-        ``final``: its digest is known (a fork of a hashed capsule). Otherwise the record's
-        digest job holds its chunks too, and the caller submits that job (``digests.submit``)."""
+    def close(self) -> None:
+        """Stop the digest worker and forget every capsule held in memory (disk files stay).
+        The store is unusable afterwards."""
+        self.digests.close()
+        with self._lock:
+            for record in list(self._records.values()):
+                self._release(record.pieces)
+                record.pieces, record.job = [], None
+            self._records.clear()
+
+    # ---- digests ---------------------------------------------------------------------------------
+    def _submit(self, record: Record) -> None:
+        record.job = DigestJob(record.info.id, record.info.position, list(record.pieces))
+        self.digests.submit(record.job)
+
+    def _collect(self) -> None:
+        """The digests the worker posted, onto the capsules still waiting for them."""
+        if self.digests.posted:
+            for job, digest, history in self.digests.take_posted():
+                record = self._records.get(job.capsule_id)
+                if record is not None and record.job is job:   # else the capsule left, and its job with it
+                    self._settle(record, digest, history)
+
+    def _finish(self, record: Record) -> None:
+        """The record's digest final now (hashed here, or waited for: one hash at most)."""
+        if record.job is not None:
+            self._settle(record, *self.digests.result(record.job))
+
+    def _settle(self, record: Record, digest: str, history: str) -> None:
+        record.job = None
+        if digest:   # "": the hash failed (logged); the capsule stays, with no digest to verify
+            record.info = record.info._replace(digest=digest, history_hash=history)
+            self._events.append(("digest", record.info))
+
+    # ---- bytes and tiers -------------------------------------------------------------------------
+    def _register(self, pieces: list[Piece], info: CapsuleInfo, log_runs: tuple) -> Record:
+        """A new capsule of ``info`` (its id and creation time made here) over ``pieces``."""
         info = info._replace(id=secrets.token_hex(8), created=time.time())
-        # Two holds per chunk while a digest is pending: the record's, and its digest job's
-        # (which keeps the chunks alive if the capsule is dropped before it is hashed).
-        holds, held = 1 if final else 2, []
+        held = []
         try:
             for chunk in chunks_of(pieces):
-                chunk.refs += holds
+                chunk.refs += 1
                 held.append(chunk)
             record = Record(info, pieces, log_runs)
             self._records[info.id] = record
@@ -342,7 +393,7 @@ class CapsuleStore:
             # shared chunks, which no record names, alive (and counted) for good.
             self._records.pop(info.id, None)
             for chunk in held:
-                chunk.refs -= holds
+                chunk.refs -= 1
             raise
         return record
 
@@ -356,37 +407,6 @@ class CapsuleStore:
         self._used[chunk.tier] -= chunk.nbytes
         if chunk.tier == "device":
             self.pool.release(chunk)
-
-    def close(self) -> None:
-        """Stop the digest thread once its queue is done and forget every capsule held in
-        memory (disk files stay). The store is unusable afterwards."""
-        self.digests.close()  # the caller must not hold the lock: the worker takes it to release
-        with self._held:
-            for record in list(self._records.values()):
-                self._release(record.pieces)
-                record.pieces = []
-            self._records.clear()
-
-    def _compute_digest(self, record: Record, pieces: list[Piece]) -> None:
-        """On the digest thread, from the pieces the job holds (a drop empties record.pieces)."""
-        read = lambda s, e: self._read(record, s, e, pieces)  # noqa: E731
-        digest = state_digest(self.layout.ranges(record.info.position), read)
-        history = history_digest(self.layout.regions, record.info.position, read)
-        # Only _demote also replaces info, and it finishes the job first.
-        record.info = record.info._replace(digest=digest, history_hash=history)
-
-    def _announce_digest(self, record: Record) -> None:
-        """After the digest job is over: not for a capsule dropped before its hash was done."""
-        with self._held:   # else a drop could slip in between the check and the event
-            if record.info.digest and self.keeps(record):
-                self._emit("digest", record.info)
-
-    def _read(self, record: Record, start: int, end: int, pieces: list[Piece] | None = None):
-        covering = record.pieces_in(start, end) if pieces is None else cut(pieces, start, end)
-        parts = [p.chunk.readable(p.offset, p.end - p.start) for p in covering]
-        if sum(p.size for p in parts) != end - start:
-            raise CorruptCapsule(f"capsule {record.info.id} does not cover arena bytes [{start}, {end})")
-        return parts
 
     def _allocate(self, tier: str, nbytes: int, spare: Record | None = None) -> Chunk:
         """A chunk of ``nbytes`` on ``tier``, spilling to make room: never ``spare``, also not
@@ -452,18 +472,15 @@ class CapsuleStore:
 
     def _fits_without(self, tier: str, nbytes: int, victims: list[Record]) -> bool:
         """Whether ``nbytes`` would fit once every victim had left the tier: a chunk is freed
-        only if the victims (and their digest jobs) hold every reference to it."""
+        only if the victims hold every reference to it."""
         if tier == "disk":   # a disk capsule's bytes are its own file
             return self._used[tier] - sum(v.info.nbytes for v in victims) + nbytes <= self._budgets.get(tier, 0)
         held: dict[int, int] = {}
         chunks: dict[int, Chunk] = {}
         for victim in victims:
-            # One hold per chunk for the record, one more for its digest job until settled.
-            holders = [victim.pieces] + ([victim.job.pieces] if victim.job and victim.job.state != SETTLED else [])
-            for pieces in holders:
-                for chunk in chunks_of(pieces):
-                    chunks[id(chunk)] = chunk
-                    held[id(chunk)] = held.get(id(chunk), 0) + 1
+            for chunk in chunks_of(victim.pieces):
+                chunks[id(chunk)] = chunk
+                held[id(chunk)] = held.get(id(chunk), 0) + 1
         freed = [c for key, c in chunks.items() if held[key] == c.refs]
         if tier == "device":
             return self.pool.largest_free_after(freed) >= self.pool.footprint(nbytes)
@@ -479,7 +496,7 @@ class CapsuleStore:
         if lower is None or (lower == "disk" and self.dir is None):
             self._evict(record)
             return
-        self.digests.finish(record)  # the digest first, and the job's hold on the old tier ends now
+        self._finish(record)  # the digest first, of the bytes on the old tier
         for p in record.pieces:
             p.chunk.wait()
         data = torch.cat([p.view().cpu() for p in record.pieces]) if record.pieces else None
@@ -503,15 +520,17 @@ class CapsuleStore:
             self._evict(record)
             return
         self._release(old)
-        self._emit("spill", record.info)
+        self._events.append(("spill", record.info))
 
     def _evict(self, record: Record) -> None:
         self._remove(record)
-        self._emit("evict", record.info)
+        self._events.append(("evict", record.info))
 
     def _remove(self, record: Record, unlink: bool = True) -> None:
         del self._records[record.info.id]
-        self.digests.settle(record)
+        if record.job is not None:   # the worker must not read the bytes released next
+            self.digests.cancel(record.job)
+            record.job = None
         self._release(record.pieces)
         record.pieces = []
         if record.path is not None:
@@ -522,101 +541,34 @@ class CapsuleStore:
             except OSError as exc:   # an eviction goes on: the room is counted, the file may come back
                 log.warning("capsule %s evicted, but its file stays: %s", record.info.id, exc.strerror or exc)
 
-    def _emit(self, kind: str, info: CapsuleInfo) -> None:
-        """Called with the lock held: the event goes out when the outermost hold ends."""
-        assert self._held.depth > 0, "a capsule event raised outside the store's lock would wait for the next call"
-        self._held.events.append((kind, info))
-
-    def _deliver(self, kind: str, info: CapsuleInfo) -> None:
-        for listener in list(self._listeners):
-            try:
-                listener(kind, info)
-            except Exception:  # a listener must not break the store
-                log.exception("capsule event listener failed")
-
     # ---- disk tier -------------------------------------------------------------------------------
-    def _require_dir(self) -> Path:
-        if self.dir is None:
+    def _require_folder(self) -> CapsuleFolder:
+        if self._folder is None:
             raise InvalidCapsuleRequest("the disk tier needs a capsule_dir")
-        return self.dir
+        return self._folder
 
     def _add_disk(self, plan: SnapshotPlan) -> Record:
         plan.chunk.wait()
-        data = plan.chunk.data
-        read = disk_capsules.range_reader(plan.ranges, data)
+        read = range_reader(plan.ranges, plan.chunk.data)
         info = plan.info._replace(id=secrets.token_hex(8), created=time.time(),
                                   digest=state_digest(self.layout.ranges(plan.info.position), read),
                                   history_hash=history_digest(self.layout.regions, plan.info.position, read))
-        path = self._write_disk(info, plan.ranges, data, plan.log)
+        path = self._write_disk(info, plan.ranges, plan.chunk.data, plan.log)
         record = Record(info, [], plan.log, path)
         self._records[info.id] = record
         return record
 
     def _write_disk(self, info: CapsuleInfo, ranges: list[tuple[int, int]], data: torch.Tensor,
                     log_runs: tuple) -> Path:
-        folder = self._require_dir()
+        folder = self._require_folder()
         self._victims("disk", data.numel())   # refused here, nothing written or evicted yet
-        path = diskformat.path_for(folder, info.id)
-        diskformat.write(path, disk_capsules.header_for(info, ranges, log_runs), data, self._key)
+        path = folder.write(info, ranges, data, log_runs)
         try:
             # Older capsules leave only once the new one is safely on disk: a failed write
             # (a full disk) must not have cost them.
             self._make_room("disk", data.numel())
         except BaseException:
-            try:
-                diskformat.remove(path)
-            except OSError as exc:   # the refusal stands; the file may come back at the next start
-                log.warning("capsule file %s left behind after a refused write: %s", path.name, exc.strerror or exc)
+            folder.discard(path)
             raise
         self._used["disk"] += data.numel()
         return path
-
-    def _read_disk(self, record: Record) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Read and verify a disk capsule's bytes before anyone uses them: the same checks as at
-        start, and the file must still describe the capsule it did then."""
-        capsule = disk_capsules.reread(record.path, record.file_info, record.log, self.layout, self.log_kinds,
-                                       self._key)
-        self.check_compatible(capsule.info)
-        return capsule.data, capsule.ranges
-
-    def _load_disk(self) -> None:
-        folder = self.dir
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            stale_files = diskformat.stale_temp_files(folder)
-            files = sorted(folder.glob(f"*{diskformat.SUFFIX}"))
-        except OSError as exc:
-            raise CapsuleIOError(f"capsule_dir {folder}: {exc.strerror or exc}") from None
-        for stale in stale_files:   # debris of an interrupted write: never a capsule
-            try:
-                stale.unlink(missing_ok=True)
-            except OSError as exc:   # a read-only folder still serves its capsules
-                log.warning("cannot remove %s, left by an interrupted write: %s", stale.name, exc.strerror or exc)
-        loaded = []
-        for path in files:
-            try:
-                capsule = disk_capsules.read(path, self.layout, self.log_kinds, self._key)
-                self.check_compatible(capsule.info)
-            except (CorruptCapsule, FingerprintMismatch, CapsuleIOError) as exc:
-                log.warning("skipping capsule file %s: %s", path.name, exc)
-                continue
-            loaded.append(Record(capsule.info, [], capsule.log, path))
-        now, names = time.time(), set()
-        for record in sorted(loaded, key=lambda r: r.info.created):
-            info = record.info
-            if info.name and info.name in names:   # two engines shared the folder: the older one keeps it
-                log.warning("capsule file %s: name %r is taken by an older capsule; loaded without a name "
-                            "(its id still reaches it)", record.path.name, info.name)
-                info = record.info = info._replace(name="")
-            names.add(info.name)
-            # Least recently used first, across a restart too: by age.
-            record.last_used = time.monotonic() - max(0.0, now - info.created)
-            self._records[info.id] = record
-            self._used["disk"] += info.nbytes
-
-
-
-
-def _digest_final(record: Record) -> bool:
-    """Whether the record's digest is computed (a failed hash leaves it empty)."""
-    return (record.job is None or record.job.state in (FINISHED, SETTLED)) and record.info.digest != ""

@@ -1,8 +1,9 @@
 """What a configured node serves: made by configure, closed by cleanup.
 
 The engine and its session, the tokenizer, the journal bag while ``journal_path`` records
-one, the policy topics, the ~/session record and the lease timer. Nothing here outlives a
-cleanup, and a configure that fails part-way closes what it made before it says so.
+one, the policy topics, the ~/session record, and the timer that ends leases and sends the
+store's events. Nothing here outlives a cleanup, and a configure that fails part-way closes
+what it made before it says so.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .policy_io import PolicyIO
 from .recorder import Recorder
 from .reporting import STATUS_QOS, Unasked
 
-LEASE_POLL_S = 0.05   # a lease ends within this of its time
+TICK_S = 0.05   # a lease ends, and a capsule event goes out, within this
 
 
 class ConfigureFailed(Exception):
@@ -47,7 +48,7 @@ class Served:
         self.bag: Recorder | None = None
         self.policy: PolicyIO | None = None
         self._record_pub = None
-        self._lease_timer = None
+        self._timer = None
 
     @classmethod
     def open(cls, node: Any, vals: dict[str, Any], count: int) -> "Served":
@@ -66,7 +67,6 @@ class Served:
 
     def _start(self, vals: dict[str, Any], count: int) -> None:
         node = self._node
-        self.engine.capsules.subscribe(self._on_store_event)
         record = self.record_of(vals)
         if vals["journal_path"]:
             try:
@@ -86,7 +86,7 @@ class Served:
             node.get_logger().error(f"~/session not published: {outcome(exc)[1]}")
         # Wall-clock time, as the leases keep: on the node's clock, under use_sim_time with a
         # simulation faster than real time, it would fire on every tick of /clock.
-        self._lease_timer = node.create_timer(LEASE_POLL_S, self._expire, callback_group=node.timer_group,
+        self._timer = node.create_timer(TICK_S, self._tick, callback_group=node.timer_group,
                                               clock=Clock(clock_type=ClockType.STEADY_TIME))
 
     def record_of(self, vals: dict[str, Any]) -> SessionRecord:
@@ -110,23 +110,23 @@ class Served:
         self.session.journal = journal
         self._node.get_logger().info(f"journal: recording into {path}")
 
-    def _expire(self) -> None:
-        """Leases that have run out end here (while active: an inactive node serves no one)."""
+    def _tick(self) -> None:
+        """What the store did on its own goes out (a spill, an eviction, a digest done), and
+        leases that have run out end (while active: an inactive node serves no one)."""
         node = self._node
-        if not node.serving:
-            return
         try:
+            for kind, info in self.engine.capsules.take_events():
+                node.report.store_event(kind, info, self.engine.position)
+            if not node.serving:
+                return
             for info in self.session.expire():
                 node.report.event("drop", info, Unasked(position=self.engine.position,
                                                         message=f"lease of capsule {info.id} ended"))
         except Exception:   # like the status: an engine fault must not stop the executor
             if node.context.ok():
-                node.get_logger().error(f"lease expiry failed:\n{traceback.format_exc()}", throttle_duration_sec=5.0)
+                node.get_logger().error(f"capsule events or lease expiry failed:\n{traceback.format_exc()}",
+                                        throttle_duration_sec=5.0)
         node.report_journal()
-
-    def _on_store_event(self, kind: str, info: Any) -> None:
-        if self._node.context.ok():   # after shutdown the engine's close still finishes digests
-            self._node.report.store_event(kind, info, self.engine.position)
 
     def _context_full(self, why: str) -> None:
         """Said once per filling: the steps that follow are refused alike until something frees room."""
@@ -141,10 +141,10 @@ class Served:
         """Destroy what was made, close the bag, free the engine. The node no longer hands this out
         (it let go of it under the engine lock, so operations in flight have ended)."""
         node = self._node
-        for entity, destroy in ((self._lease_timer, node.destroy_timer), (self._record_pub, node.destroy_publisher)):
+        for entity, destroy in ((self._timer, node.destroy_timer), (self._record_pub, node.destroy_publisher)):
             if entity is not None:
                 destroy(entity)
-        self._lease_timer = self._record_pub = None
+        self._timer = self._record_pub = None
         policy, self.policy = self.policy, None
         if policy is not None:
             policy.close()

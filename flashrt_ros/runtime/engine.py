@@ -236,7 +236,7 @@ class Engine:
         """The lock plus inference mode; flush-to-zero on this thread and, for one-row
         steps, the decode thread count, when asked for. Digests that snapshots queued
         start now, alongside this step, not inside the snapshot call (see DigestQueue)."""
-        self.capsules.digests.kick()
+        self.capsules.start_digests()
         with self._lock, torch.inference_mode():
             if self._flush_denormal:
                 torch.set_flush_denormal(True)
