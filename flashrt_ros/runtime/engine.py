@@ -15,17 +15,15 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import digest
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
-from ..capsule.errors import CorruptCapsule
-from ..errors import ContextFull, InvalidArgument, Preempted
+from ..errors import InvalidArgument, Preempted
 from . import inputs, mtp_head as mtp_head_io, weights as weights_io
 from .arena import StateArena
 from .backends import cpu as cpu_backend
 from .config import ModelConfig
 from .decoding import Decoder, Pass
 from .fairlock import FairRLock
-from .history import DECODE, PREFILL, STEP, Base, moved, renewed, unknown
+from .history import DECODE, PREFILL, STEP
 from .inputs import is_int
 from .live_state import LiveState, NotFinite
 from .models.qwen35 import Qwen35, state_specs
@@ -120,7 +118,7 @@ class Engine:
             self.decoder = Decoder(self.model, self.arena, max_seq_len=self.max_seq_len,
                                    prefill_chunk=opts.prefill_chunk, fixed_shapes=self.fixed_shapes,
                                    cuda_graphs=self.cuda_graphs, max_draft=max_draft, draft_vocab=draft_vocab)
-        self._live = LiveState(self.arena, self.decoder, opts.rollback_depth)
+        self._live = LiveState(self.arena, self.decoder, self.capsules, opts.rollback_depth, self.max_seq_len)
 
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
@@ -208,10 +206,7 @@ class Engine:
     def state_digest(self) -> str:
         """The live state's digest (``flashrt_ros.digest``): the one its capsule would carry."""
         with self._lock:
-            return self._digest(self._live.state.position)
-
-    def _digest(self, position: int) -> str:
-        return digest.state_digest(self.capsules.layout.ranges(position), self.arena.read)
+            return self._live.digest()
 
     def close(self) -> None:
         """Release the capsule store's memory and its digest thread (disk capsules stay on
@@ -254,7 +249,7 @@ class Engine:
         """Append ``token_ids`` to the state, commit a boundary, return next-token logits [vocab]."""
         ids = inputs.token_ids(token_ids, self.config.vocab_size)
         with self._work():
-            self._check_room(ids.numel())
+            self._live.check_room(ids.numel())
             self._live.prefill(ids.to(self.device))
             return _caller_owned(self.model.logits()[0].float())
 
@@ -301,7 +296,7 @@ class Engine:
             inputs.check_seed(seed)
         drafts = self.check_speculative(speculative)
         with self._lock:
-            self._check_room(n)
+            self._live.check_room(n)
             lineage = self._live.state.lineage
         return self._stream(n, sync_every, lineage, temperature, seed, scored, drafts)
 
@@ -363,7 +358,7 @@ class Engine:
                      last: Pass | None) -> tuple[torch.Tensor, torch.Tensor, Pass | None]:
         """Commit the next token, or a speculative pass of up to ``drafts`` drafts (fewer near the
         end of the request or of the context): (tokens, margins, the pass or None)."""
-        self._check_room(1)
+        self._live.check_room(1)
         if seed is not None:
             self.model.rng_seed.fill_(int(seed))
         if temperature > 0:   # set per step: another caller's stream may have set its own
@@ -387,7 +382,7 @@ class Engine:
         if seed is not None:
             inputs.check_seed(seed)
         with self._work(step=True):
-            self._check_room(1)
+            self._live.check_room(1)
             if seed is not None:
                 self.model.rng_seed.fill_(int(seed))
             self._live.logged_token(int(token))
@@ -399,7 +394,7 @@ class Engine:
             raise InvalidArgument("this model has no policy heads (obs_dim = action_dim = 0)")
         obs = inputs.observation(observation, cfg.obs_dim)
         with self._work(step=True):
-            self._check_room(1)
+            self._live.check_room(1)
             try:
                 # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
                 # inside the model; committed, every later action would be NaN.
@@ -422,14 +417,7 @@ class Engine:
             plan = self.capsules.plan_snapshot(state.position, name=name, tier=tier, pin=pin,
                                                parent=state.base.capsule if state.base else "",
                                                base=state.base, log_runs=state.log)
-            try:
-                plan.copy(self.arena.buffer)
-                info = self.capsules.add(plan).info
-            except BaseException:   # a failed snapshot keeps no bytes
-                self.capsules.discard(plan)
-                raise
-            self._live.state = replace(state, base=Base(info.id, state.position))
-            return info
+            return self._live.snapshot(plan)
 
     def fork(self, source: str | CapsuleInfo | None = None, name: str | None = None) -> CapsuleInfo:
         """A new capsule branching from ``source`` (a capsule), or from the live state.
@@ -469,33 +457,16 @@ class Engine:
             record = self.capsules.resolve(capsule)
             self.capsules.check_compatible(record)
             groups = inputs.groups(regions, verify)
-            state = self._live.state
+            base = self._live.state.base
             # Descending from a capsule, the live state holds that capsule's per-token rows
             # [0:p] (KV is append-only); those this capsule shares with it are not copied.
             keep = 0
-            if state.base is not None and groups is None:
-                keep = self.capsules.shared_rows(record, state.base.capsule, min(state.base.rows, record.info.position))
-            backup = None
+            if base is not None and groups is None:
+                keep = self.capsules.shared_rows(record, base.capsule, min(base.rows, record.info.position))
             if verify:
                 self.capsules.verify(record)
-                backup = self.arena.buffer.clone()
             plan = self.capsules.plan_restore(record, keep, groups)   # a refusal here has changed nothing
-            try:
-                plan.copy(self.arena.buffer)
-                if groups is not None:   # the position counter is in the meta group
-                    self.model.position.fill_(plan.position)
-                if verify and self._digest(plan.position) != record.info.digest:
-                    raise _VerifyFailed
-                base = None if groups is not None else Base(record.info.id, plan.position)
-                self._live.state = renewed(moved(state, plan.position, plan.log, self._live.ring_at(plan.position),
-                                                 base))
-            except _VerifyFailed:
-                self.arena.buffer.copy_(backup)
-                raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its "
-                                     "digest") from None
-            except BaseException:
-                self._live.state = unknown(state)
-                raise
+            self._live.restore(plan, record.info, verify, partial=groups is not None)
             return record.info
 
     def rollback(self, steps: int = 1, to_position: int | None = None) -> int:
@@ -512,7 +483,7 @@ class Engine:
                 if not is_int(to_position) or not 0 <= to_position <= position:
                     raise InvalidCapsuleRequest(f"to_position must be an int in [0, {position}], got "
                                                 f"{to_position!r}")
-                self._live.replay_to(int(to_position), self.capsules)
+                self._live.replay_to(int(to_position))
                 return self._live.state.position
             if not is_int(steps) or steps < 0:
                 raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {steps!r}")
@@ -522,19 +493,6 @@ class Engine:
                                             f"(rollback_depth={self.rollback_depth})")
             self._live.back(int(steps))
             return self._live.state.position
-
-    # ---- checks --------------------------------------------------------------------------------
-    def _check_room(self, n: int) -> None:
-        if self._live.state.position + n > self.max_seq_len:
-            # Full: nothing at all fits until room is freed. Otherwise the request is too long.
-            error = ContextFull if self._live.state.position >= self.max_seq_len else InvalidArgument
-            raise error(
-                f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
-                f"(position is {self._live.state.position})")
-
-
-class _VerifyFailed(Exception):
-    """A verified restore's live state does not match the capsule's digest (never leaves the engine)."""
 
 
 def _caller_owned(t: torch.Tensor) -> torch.Tensor:
