@@ -1,27 +1,29 @@
 """The engine: one model, one state arena, committed boundaries under one lock.
 
-Start-up runs in a fixed, visible order: build -> load weights -> allocate the
-arena -> warm up -> capture graphs. After that, every public call that changes
-state takes the lock, advances by whole boundaries and leaves the arena
-consistent, so a snapshot can slot in between any two of them.
+Start-up runs in a fixed, visible order: build -> load weights -> allocate the arena -> warm
+up -> capture graphs. After that, each public call checks its arguments, takes the lock, has
+the capsule store plan any copy to or from a capsule, and leaves the move to ``LiveState``,
+which assigns the next boundary once (``streaming`` commits a stream one turn of the lock at
+a time). The arena is consistent between any two calls, so a snapshot can slot in there.
 """
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
-from ..errors import InvalidArgument, Preempted
-from . import inputs, mtp_head as mtp_head_io, weights as weights_io
+from ..errors import InvalidArgument
+from . import inputs, mtp_head as mtp_head_io, streaming, weights as weights_io
 from .arena import StateArena
 from .backends import cpu as cpu_backend
 from .config import ModelConfig
-from .decoding import Decoder, Pass
+from .decoding import Decoder
 from .fairlock import FairRLock
 from .history import DECODE, PREFILL, STEP
 from .inputs import is_int
@@ -294,11 +296,11 @@ class Engine:
         temperature = inputs.temperature(temperature)
         if seed is not None:
             inputs.check_seed(seed)
-        drafts = self.check_speculative(speculative)
+        request = streaming.Request(n, sync_every, temperature, seed, bool(scored), self.check_speculative(speculative))
         with self._lock:
-            self._live.check_room(n)
+            self._live.check_room(request.n)
             lineage = self._live.state.lineage
-        return self._stream(n, sync_every, lineage, temperature, seed, scored, drafts)
+        return streaming.stream(self._live, partial(self._work, step=True), request, lineage)
 
     def check_speculative(self, speculative: int | None) -> int:
         """The drafts per pass ``speculative`` asks for (0: none), or InvalidArgument: what
@@ -315,62 +317,6 @@ class Engine:
     def speculation(self) -> Speculation | None:
         """Speculative decoding's drafter and switch-off rule (None without an MTP layer)."""
         return self.decoder.speculation
-
-    def _stream(self, n: int, sync_every: int, lineage: int, temperature: float, seed: int | None,
-                scored: bool, drafts: int) -> Iterator[int] | Iterator[tuple[int, float, int]]:
-        # Each step copies its tokens into a device-side list under the lock, and reading
-        # it back costs one sync per ``sync_every`` tokens, not per token. Another caller
-        # may restore or roll back between two steps: the stream then stops rather than
-        # go on from a state it did not build.
-        out = torch.empty(n, dtype=torch.int64, device=self.device)
-        margins = torch.empty(n if scored else 0, dtype=torch.float64, device=self.device)
-        ends: list[int] = []   # the position after each token, when scored
-
-        def read_back(start: int, end: int) -> list:
-            tokens = out[start:end].tolist()
-            return list(zip(tokens, margins[start:end].tolist(), ends[start:end])) if scored else tokens
-
-        read = done = 0
-        last: Pass | None = None   # the last speculative pass: its logits follow its end
-        while done < n:
-            with self._work(step=True):
-                replaced = self._live.state.lineage != lineage
-                if not replaced:
-                    tokens, chosen_margins, last = self._next_tokens(n - done, temperature, seed if done == 0 else None,
-                                                                     drafts, last)
-                    count = tokens.shape[0]
-                    out[done:done + count] = tokens
-                    if scored:
-                        margins[done:done + count] = chosen_margins
-                        ends.extend(range(self._live.state.position - count + 1, self._live.state.position + 1))
-            if replaced:   # yielded outside the lock: the consumer may take its time
-                yield from read_back(read, done)
-                raise Preempted(f"a restore or rollback (or a reset) replaced the live state after {done} of "
-                                f"{n} tokens; the stream stopped there")
-            done += count
-            if sync_every and done - read >= sync_every:
-                yield from read_back(read, done)
-                read = done
-        if read < n:
-            yield from read_back(read, n)
-
-    def _next_tokens(self, left: int, temperature: float, seed: int | None, drafts: int,
-                     last: Pass | None) -> tuple[torch.Tensor, torch.Tensor, Pass | None]:
-        """Commit the next token, or a speculative pass of up to ``drafts`` drafts (fewer near the
-        end of the request or of the context): (tokens, margins, the pass or None)."""
-        self._live.check_room(1)
-        if seed is not None:
-            self.model.rng_seed.fill_(int(seed))
-        if temperature > 0:   # set per step: another caller's stream may have set its own
-            self.model.temperature.fill_(temperature)
-        at = self._live.state.position
-        if drafts and self.speculation.wanted():
-            k = min(drafts, left - 1, self.max_seq_len - at - 1)
-            if k >= 1:
-                done = self._live.speculative_pass(k, temperature > 0, last)
-                return done.tokens, done.margins, done
-        token, margin = self._live.token(sampled=temperature > 0)
-        return token, margin, None
 
     def append(self, token: int, *, seed: int | None = None) -> None:
         """Commit ``token`` as the next decode boundary, as if decode had chosen it (the same
