@@ -19,7 +19,7 @@ import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
 from ..errors import InvalidArgument
-from . import inputs, mtp_head as mtp_head_io, streaming, weights as weights_io
+from . import inputs, loading, streaming, weights as weights_io
 from .arena import StateArena
 from .backends import cpu as cpu_backend
 from .config import ModelConfig
@@ -52,11 +52,7 @@ class Engine:
             raise InvalidArgument(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         if dtype not in _DTYPES:
             raise InvalidArgument(f"dtype {dtype} is not supported ({', '.join(map(str, _DTYPES))})")
-        weights = dict(weights)
-        draft_vocab = weights.pop(mtp_head_io.DRAFT_VOCAB, None)
-        if draft_vocab is not None:
-            mtp_head_io.check_draft_vocab(cfg, draft_vocab)
-        weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
+        weights, draft_vocab = loading.model_weights(cfg, weights)
         self.config = cfg
         self.device = inputs.device(device)
         self.dtype = dtype
@@ -129,12 +125,8 @@ class Engine:
                     mtp_head: str | Path | None = None, **options: Any) -> "Engine":
         """An engine with deterministic seeded weights (the embedded default uses ``ModelConfig.tiny()``).
         ``mtp_head``: a head file (``runtime.mtp_head``) in place of the seeded MTP layer."""
-        inputs.check_seed(seed)
-        weights = weights_io.seeded_weights(cfg, seed)
-        seeded = list(weights_io.expected_shapes(cfg))
-        if mtp_head:
-            weights, seeded = mtp_head_io.with_head(cfg, weights, seeded, mtp_head)
-        return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=tuple(seeded),
+        loaded = loading.seeded(cfg, seed, mtp_head)
+        return cls(cfg, loaded.weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=loaded.seeded,
                    **options)
 
     @classmethod
@@ -149,13 +141,10 @@ class Engine:
         ``mtp_head``: a head file (``runtime.mtp_head``, as ``flashrt-train-mtp`` writes) in
         place of the checkpoint's MTP layer.
         """
-        inputs.check_seed(seed)
-        cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
-        if mtp_head:
-            weights, seeded = mtp_head_io.with_head(cfg, weights, seeded, mtp_head)
-        stops = weights_io.stop_token_ids(path, cfg)
-        engine = cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
-        engine.stop_token_ids = stops
+        loaded = loading.pretrained(path, seed, policy_dims, mtp_head)
+        engine = cls(loaded.cfg, loaded.weights, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                     seeded=loaded.seeded, **options)
+        engine.stop_token_ids = loaded.stop_token_ids
         return engine
 
     @classmethod
