@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
+from ..capsule import CapsuleInfo, CapsuleStore, Layout
 from ..errors import InvalidArgument
 from . import inputs, loading, streaming, weights as weights_io
 from .arena import StateArena
@@ -26,16 +26,12 @@ from .config import ModelConfig
 from .decoding import Decoder
 from .fairlock import FairRLock
 from .history import DECODE, PREFILL, STEP
-from .inputs import is_int
-from .live_state import LiveState, NotFinite
+from .live_state import LiveState
 from .models.qwen35 import Qwen35, state_specs
 from .options import EngineOptions
 from .speculative import Speculation, SpeculationStats
 
 log = logging.getLogger(__name__)
-
-# float64 is there to check the arithmetic itself against a float64 reference.
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class Engine:
@@ -48,15 +44,11 @@ class Engine:
                  dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, seeded: Sequence[str] = (),
                  **options: Any) -> None:
         opts = EngineOptions.of(options)
-        if not is_int(max_seq_len) or max_seq_len < 1:
-            raise InvalidArgument(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-        if dtype not in _DTYPES:
-            raise InvalidArgument(f"dtype {dtype} is not supported ({', '.join(map(str, _DTYPES))})")
+        self.max_seq_len = inputs.max_seq_len(max_seq_len)
+        self.dtype = inputs.dtype(dtype)
         weights, draft_vocab = loading.model_weights(cfg, weights)
         self.config = cfg
         self.device = inputs.device(device)
-        self.dtype = dtype
-        self.max_seq_len = int(max_seq_len)
         self.seeded_weights = tuple(seeded)
         # Where generation stops (the tokenizer may add its own eos): from_pretrained adds
         # generation_config.json's.
@@ -280,12 +272,9 @@ class Engine:
         """
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
-        n = inputs.count(n, "number of tokens")
-        sync_every = inputs.count(sync_every, "sync_every")
-        temperature = inputs.temperature(temperature)
-        if seed is not None:
-            inputs.check_seed(seed)
-        request = streaming.Request(n, sync_every, temperature, seed, bool(scored), self.check_speculative(speculative))
+        request = streaming.Request(inputs.count(n, "number of tokens"), inputs.count(sync_every, "sync_every"),
+                                    inputs.temperature(temperature), inputs.optional_seed(seed), bool(scored),
+                                    self.check_speculative(speculative))
         with self._lock:
             self._live.check_room(request.n)
             lineage = self._live.state.lineage
@@ -312,15 +301,13 @@ class Engine:
         bytes as that decode): a replay on another platform continues from the recorded token
         where its own choice, at a near-tie, came out different. ``seed`` sets the sampling
         RNG state first, as ``stream`` does."""
-        if not is_int(token) or not 0 <= int(token) < self.config.vocab_size:
-            raise InvalidArgument(f"token must be an int in [0, {self.config.vocab_size}), got {token!r}")
-        if seed is not None:
-            inputs.check_seed(seed)
+        token = inputs.token(token, self.config.vocab_size)
+        seed = inputs.optional_seed(seed)
         with self._work(step=True):
             self._live.check_room(1)
             if seed is not None:
                 self.model.rng_seed.fill_(int(seed))
-            self._live.logged_token(int(token))
+            self._live.logged_token(token)
 
     def step(self, observation: Sequence[float] | torch.Tensor) -> torch.Tensor:
         """Policy mode: one observation vector in, one action vector out; commits a boundary."""
@@ -330,14 +317,9 @@ class Engine:
         obs = inputs.observation(observation, cfg.obs_dim)
         with self._work(step=True):
             self._live.check_room(1)
-            try:
-                # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
-                # inside the model; committed, every later action would be NaN.
-                action = self._live.step(obs, finite_only=True)
-            except NotFinite:
-                raise InvalidArgument(f"observation (largest magnitude {obs.abs().max().item():.3g}) drove the "
-                                      "state to NaN or infinity; the step was undone") from None
-            return _caller_owned(action.cpu())
+            # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
+            # inside the model; committed, every later action would be NaN.
+            return _caller_owned(self._live.step(obs, finite_only=True).cpu())
 
     # ---- capsules --------------------------------------------------------------------------------
     def snapshot(self, name: str | None = None, tier: str = "device", pin: bool = False) -> CapsuleInfo:
@@ -413,20 +395,11 @@ class Engine:
         Returns the new position.
         """
         with self._work():
-            position = self._live.state.position
+            state = self._live.state
             if to_position is not None:
-                if not is_int(to_position) or not 0 <= to_position <= position:
-                    raise InvalidCapsuleRequest(f"to_position must be an int in [0, {position}], got "
-                                                f"{to_position!r}")
-                self._live.replay_to(int(to_position))
-                return self._live.state.position
-            if not is_int(steps) or steps < 0:
-                raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {steps!r}")
-            kept = max(0, len(self._live.state.ring) - 1)
-            if steps > kept:
-                raise InvalidCapsuleRequest(f"cannot roll back {steps} boundaries: {kept} are kept "
-                                            f"(rollback_depth={self.rollback_depth})")
-            self._live.back(int(steps))
+                self._live.replay_to(inputs.rollback_target(to_position, state.position))
+            else:
+                self._live.back(inputs.rollback_steps(steps, max(0, len(state.ring) - 1), self.rollback_depth))
             return self._live.state.position
 
 

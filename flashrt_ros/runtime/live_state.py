@@ -29,10 +29,6 @@ from .history import (DECODE, PREFILL, STEP, Base, Boundary, RingSlots, between,
 log = logging.getLogger(__name__)
 
 
-class NotFinite(Exception):
-    """A policy step gave NaN or infinity; it was not committed (never leaves the engine)."""
-
-
 class _VerifyFailed(Exception):
     """A verified restore's live state does not match the capsule's digest (never leaves ``restore``)."""
 
@@ -107,8 +103,8 @@ class LiveState:
 
     def step(self, observation: torch.Tensor, finite_only: bool = False) -> torch.Tensor:
         """One policy boundary; its action [action_dim] on the device. ``finite_only``: raise
-        NotFinite, nothing committed, if the step drove the action or the hidden state to NaN
-        or infinity (a replay commits what was committed)."""
+        InvalidArgument, nothing committed, if the step drove the action or the hidden state to
+        NaN or infinity (a replay commits what was committed)."""
         with self.committed_whole():
             action = self.decoder.policy(self.state.position, observation)
             if finite_only and not self.decoder.finite():
@@ -117,7 +113,8 @@ class LiveState:
                 for region in self.arena.regions:
                     if region.per_token:
                         self.arena[region.name][self.state.position].zero_()
-                raise NotFinite
+                raise InvalidArgument(f"observation (largest magnitude {observation.abs().max().item():.3g}) "
+                                      "drove the state to NaN or infinity; the step was undone")
             self.commit(STEP, 1)
         return action
 
