@@ -8,7 +8,6 @@ a time). The arena is consistent between any two calls, so a snapshot can slot i
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -30,8 +29,6 @@ from .live_state import LiveState
 from .models.qwen35 import Qwen35, state_specs
 from .options import EngineOptions
 from .speculative import Speculation, SpeculationStats
-
-log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -76,10 +73,7 @@ class Engine:
     def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: EngineOptions,
                draft_vocab: torch.Tensor | None) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
-        self.cpu_kernels = opts.cpu_kernels and cpu_backend.serves(self.device, self.dtype)
-        if opts.cpu_kernels and not self.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
-            log.warning("the package's C library (src/) is not built: decode runs on the torch reference path; "
-                        "build the package with a C compiler (colcon build, or pip install .)")
+        self.cpu_kernels = cpu_backend.chosen(opts.cpu_kernels, self.device, self.dtype)
         self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, cpu_kernels=self.cpu_kernels)
         # The weights as given plus the dtype the engine computes in: the model keeps norms,
         # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it
@@ -93,12 +87,11 @@ class Engine:
         self.arena = StateArena(state_specs(cfg, self.max_seq_len, self.dtype), self.device)
         self.model.bind(self.arena, verify_rows=max_draft + 1 if max_draft else 0)
         self.layout_fingerprint = self.arena.layout_fingerprint()
-        budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
-        budgets.update(opts.budgets or {})
         self.capsules = CapsuleStore(
             Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
-            self.model_fingerprint, self.device, budgets, opts.spill, opts.capsule_dir, lock=self._lock,
-            log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE), key=opts.capsule_key)
+            self.model_fingerprint, self.device, opts.tier_budgets(self.arena.nbytes), opts.spill, opts.capsule_dir,
+            lock=self._lock, log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE),
+            key=opts.capsule_key)
         # 4. warm up + 5. capture graphs (the decoder zeroes the state its warm-ups wrote)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
         # Decode over every cache row with a mask (what a graph needs) rather than the live rows:
