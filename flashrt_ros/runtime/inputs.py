@@ -137,7 +137,8 @@ def rollback_target(value: Any, position: int) -> int:
 
 
 def rollback_steps(value: Any, kept: int, depth: int) -> int:
-    """Boundaries to roll back: an int in [0, kept], ``kept`` of the ring's ``depth``."""
+    """Boundaries to roll back: an int in [0, kept], ``kept`` being those the ring holds behind
+    the live one (at most ``depth``)."""
     if not is_int(value) or value < 0:
         raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {value!r}")
     if value > kept:

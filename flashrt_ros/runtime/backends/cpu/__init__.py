@@ -25,8 +25,8 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def chosen(asked: bool, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether an engine that ``asked`` for this backend runs on it; a warning says so where it
-    would but the library is not built."""
+    """Whether an engine that ``asked`` for this backend runs on it. Where it would (float32 on
+    a CPU) but the library is not built, a warning says how to build it."""
     serving = asked and serves(device, dtype)
     if asked and not serving and device.type == "cpu" and dtype == torch.float32:
         log.warning("the package's C library (src/) is not built: decode runs on the torch reference path; "
