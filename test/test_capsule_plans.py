@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashrt_ros.capsule import plans
+from flashrt_ros.capsule.errors import CorruptCapsule
 from flashrt_ros.runtime import Engine, ModelConfig
 
 
@@ -94,6 +95,29 @@ def test_a_restore_interrupted_in_its_copy_leaves_the_next_restore_exact(monkeyp
     engine.restore("a")
     assert engine.state_digest() == engine.capsules.get(a.id).digest
     assert engine.rollback(0) == a.position
+    engine.close()
+
+
+def test_a_verified_restore_that_lands_other_bytes_puts_the_live_state_back(monkeypatch):
+    """The capsule's stored bytes verify, but the arena after the copy does not match its digest
+    (a copy gone wrong): CorruptCapsule, and the state before the restore, bytes and boundary."""
+    engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
+    engine.prefill(list(range(1, 9)))
+    held = engine.snapshot()
+    engine.generate(4)
+    before, position, lineage = engine.state_digest(), engine.position, engine.lineage
+    real = plans.RestorePlan.copy
+
+    def landed_wrong(self, buffer):
+        real(self, buffer)
+        buffer[0] += 1   # a byte of the fixed-size block, which every restore copies
+
+    monkeypatch.setattr(plans.RestorePlan, "copy", landed_wrong)
+    with pytest.raises(CorruptCapsule, match=held.id):
+        engine.restore(held, verify=True)
+    monkeypatch.undo()
+    assert engine.state_digest() == before and engine.position == position and engine.lineage == lineage
+    assert engine.rollback(4) == held.position   # the ring still holds the boundaries before it
     engine.close()
 
 

@@ -2,6 +2,7 @@
 where it runs, that it follows the torch layer it replaces, refusals, and journals that record it."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -158,9 +159,9 @@ def test_wrong_tensors_are_refused_when_a_layer_is_bound():
 def test_journals_record_it_and_refuse_another_version():
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=64)
     recorded = session_of(engine, "", 0)
-    assert recorded["delta_step"] == delta_step.version() != ""
+    assert dict(recorded.kernels)["delta_step"] == delta_step.version() != ""
     assert all(b.delta is not None for b in engine_for(recorded).model.blocks if b.kind == "linear_attention")
     with pytest.raises(InvalidArgument, match="delta_step kernel '0'.*may round differently"):
-        engine_for(recorded | {"delta_step": "0"})
+        engine_for(replace(recorded, kernels=tuple((k, "0" if k == "delta_step" else v) for k, v in recorded.kernels)))
     with pytest.raises(InvalidArgument, match="delta_step kernel ''"):
-        engine_for({k: v for k, v in recorded.items() if k != "delta_step"})
+        engine_for(replace(recorded, kernels=tuple((k, v) for k, v in recorded.kernels if k != "delta_step")))

@@ -3,6 +3,8 @@ thread count, vector path and number of rows beside a row, close to float64, and
 replays."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -130,10 +132,11 @@ def test_engines_run_the_cpu_backend_where_it_serves_and_record_it():
     assert native.generate(32) == torch_path.generate(32)
     assert torch.allclose(native.logits(), torch_path.logits(), atol=1e-5)
     recorded = session_of(native, "", 0)
-    assert recorded["cpu_kernels"] is True and recorded["row_product"] == row_product.version() != ""
+    assert recorded.cpu_kernels is True and dict(recorded.kernels)["row_product"] == row_product.version() != ""
     assert engine_for(session_of(torch_path, "", 0)).cpu_kernels is False
     with pytest.raises(InvalidArgument, match="row_product kernel '0.4'.*may round differently"):
-        engine_for(recorded | {"row_product": "0.4"})
+        engine_for(replace(recorded, kernels=tuple((k, "0.4" if k == "row_product" else v)
+                                                   for k, v in recorded.kernels)))
 
 
 def test_a_session_recorded_on_the_kernels_is_refused_where_they_are_not_built(monkeypatch):

@@ -109,11 +109,6 @@ class CapsuleStore:
         run a long step, during which hashing costs its calls least (``digest_worker``)."""
         self.digests.wake()
 
-    def operation(self) -> AbstractContextManager:
-        """``with store.operation():`` around several calls that make one operation (a snapshot's
-        plan, copy and add): nothing else enters the store between them."""
-        return self._lock
-
     def list(self, tier: str | None = None) -> list[CapsuleInfo]:
         """Every capsule, or those of one tier (None or "" lists all)."""
         if tier not in (None, ""):

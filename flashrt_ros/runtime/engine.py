@@ -1,41 +1,34 @@
 """The engine: one model, one state arena, committed boundaries under one lock.
 
-Start-up runs in a fixed, visible order: build -> load weights -> allocate the
-arena -> warm up -> capture graphs. After that, every public call that changes
-state takes the lock, advances by whole boundaries and leaves the arena
-consistent, so a snapshot can slot in between any two of them.
+Start-up runs in a fixed, visible order: build -> load weights -> allocate the arena -> warm
+up -> capture graphs. After that, each public call checks its arguments, takes the lock, has
+the capsule store plan any copy to or from a capsule, and leaves the move to ``LiveState``,
+which assigns the next boundary once (``streaming`` commits a stream one turn of the lock at
+a time). The arena is consistent between any two calls, so a snapshot can slot in there.
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import digest
-from ..capsule import CapsuleInfo, CapsuleStore, InvalidCapsuleRequest, Layout
-from ..capsule.errors import CorruptCapsule
-from ..errors import ContextFull, InvalidArgument, Preempted
-from . import inputs, mtp_head as mtp_head_io, weights as weights_io
+from ..capsule import CapsuleInfo, CapsuleStore, Layout
+from ..errors import InvalidArgument
+from . import inputs, loading, streaming, weights as weights_io
 from .arena import StateArena
 from .backends import cpu as cpu_backend
 from .config import ModelConfig
-from .decoding import Decoder, Pass
+from .decoding import Decoder
 from .fairlock import FairRLock
-from .history import DECODE, PREFILL, STEP, Base, moved, renewed, unknown
-from .inputs import is_int
-from .live_state import LiveState, NotFinite
+from .history import DECODE, PREFILL, STEP
+from .live_state import LiveState
 from .models.qwen35 import Qwen35, state_specs
 from .options import EngineOptions
 from .speculative import Speculation, SpeculationStats
-
-log = logging.getLogger(__name__)
-
-# float64 is there to check the arithmetic itself against a float64 reference.
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class Engine:
@@ -48,19 +41,11 @@ class Engine:
                  dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, seeded: Sequence[str] = (),
                  **options: Any) -> None:
         opts = EngineOptions.of(options)
-        if not is_int(max_seq_len) or max_seq_len < 1:
-            raise InvalidArgument(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-        if dtype not in _DTYPES:
-            raise InvalidArgument(f"dtype {dtype} is not supported ({', '.join(map(str, _DTYPES))})")
-        weights = dict(weights)
-        draft_vocab = weights.pop(mtp_head_io.DRAFT_VOCAB, None)
-        if draft_vocab is not None:
-            mtp_head_io.check_draft_vocab(cfg, draft_vocab)
-        weights_io.check_weights(cfg, weights)   # a tensor that does not fit fails here, not halfway through a prefill
+        self.max_seq_len = inputs.max_seq_len(max_seq_len)
+        self.dtype = inputs.dtype(dtype)
+        weights, draft_vocab = loading.model_weights(cfg, weights)
         self.config = cfg
         self.device = inputs.device(device)
-        self.dtype = dtype
-        self.max_seq_len = int(max_seq_len)
         self.seeded_weights = tuple(seeded)
         # Where generation stops (the tokenizer may add its own eos): from_pretrained adds
         # generation_config.json's.
@@ -88,10 +73,7 @@ class Engine:
     def _build(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], opts: EngineOptions,
                draft_vocab: torch.Tensor | None) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
-        self.cpu_kernels = opts.cpu_kernels and cpu_backend.serves(self.device, self.dtype)
-        if opts.cpu_kernels and not self.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
-            log.warning("the package's C library (src/) is not built: decode runs on the torch reference path; "
-                        "build the package with a C compiler (colcon build, or pip install .)")
+        self.cpu_kernels = cpu_backend.chosen(opts.cpu_kernels, self.device, self.dtype)
         self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, cpu_kernels=self.cpu_kernels)
         # The weights as given plus the dtype the engine computes in: the model keeps norms,
         # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it
@@ -105,12 +87,11 @@ class Engine:
         self.arena = StateArena(state_specs(cfg, self.max_seq_len, self.dtype), self.device)
         self.model.bind(self.arena, verify_rows=max_draft + 1 if max_draft else 0)
         self.layout_fingerprint = self.arena.layout_fingerprint()
-        budgets = {"device": 8 * self.arena.nbytes, "host": 32 * self.arena.nbytes, "disk": 4 << 30}
-        budgets.update(opts.budgets or {})
         self.capsules = CapsuleStore(
             Layout(self.arena.regions, self.arena.fixed_bytes, self.layout_fingerprint, self.arena.region_table),
-            self.model_fingerprint, self.device, budgets, opts.spill, opts.capsule_dir, lock=self._lock,
-            log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE), key=opts.capsule_key)
+            self.model_fingerprint, self.device, opts.tier_budgets(self.arena.nbytes), opts.spill, opts.capsule_dir,
+            lock=self._lock, log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE),
+            key=opts.capsule_key)
         # 4. warm up + 5. capture graphs (the decoder zeroes the state its warm-ups wrote)
         self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
         # Decode over every cache row with a mask (what a graph needs) rather than the live rows:
@@ -120,7 +101,7 @@ class Engine:
             self.decoder = Decoder(self.model, self.arena, max_seq_len=self.max_seq_len,
                                    prefill_chunk=opts.prefill_chunk, fixed_shapes=self.fixed_shapes,
                                    cuda_graphs=self.cuda_graphs, max_draft=max_draft, draft_vocab=draft_vocab)
-        self._live = LiveState(self.arena, self.decoder, opts.rollback_depth)
+        self._live = LiveState(self.arena, self.decoder, self.capsules, opts.rollback_depth, self.max_seq_len)
 
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
@@ -129,12 +110,8 @@ class Engine:
                     mtp_head: str | Path | None = None, **options: Any) -> "Engine":
         """An engine with deterministic seeded weights (the embedded default uses ``ModelConfig.tiny()``).
         ``mtp_head``: a head file (``runtime.mtp_head``) in place of the seeded MTP layer."""
-        inputs.check_seed(seed)
-        weights = weights_io.seeded_weights(cfg, seed)
-        seeded = list(weights_io.expected_shapes(cfg))
-        if mtp_head:
-            weights, seeded = mtp_head_io.with_head(cfg, weights, seeded, mtp_head)
-        return cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=tuple(seeded),
+        loaded = loading.seeded(cfg, seed, mtp_head)
+        return cls(cfg, loaded.weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=loaded.seeded,
                    **options)
 
     @classmethod
@@ -149,13 +126,10 @@ class Engine:
         ``mtp_head``: a head file (``runtime.mtp_head``, as ``flashrt-train-mtp`` writes) in
         place of the checkpoint's MTP layer.
         """
-        inputs.check_seed(seed)
-        cfg, weights, seeded = weights_io.load_checkpoint(path, seed, policy_dims)
-        if mtp_head:
-            weights, seeded = mtp_head_io.with_head(cfg, weights, seeded, mtp_head)
-        stops = weights_io.stop_token_ids(path, cfg)
-        engine = cls(cfg, weights, device=device, dtype=dtype, max_seq_len=max_seq_len, seeded=seeded, **options)
-        engine.stop_token_ids = stops
+        loaded = loading.pretrained(path, seed, policy_dims, mtp_head)
+        engine = cls(loaded.cfg, loaded.weights, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                     seeded=loaded.seeded, **options)
+        engine.stop_token_ids = loaded.stop_token_ids
         return engine
 
     @classmethod
@@ -208,10 +182,7 @@ class Engine:
     def state_digest(self) -> str:
         """The live state's digest (``flashrt_ros.digest``): the one its capsule would carry."""
         with self._lock:
-            return self._digest(self._live.state.position)
-
-    def _digest(self, position: int) -> str:
-        return digest.state_digest(self.capsules.layout.ranges(position), self.arena.read)
+            return self._live.digest()
 
     def close(self) -> None:
         """Release the capsule store's memory and its digest thread (disk capsules stay on
@@ -235,7 +206,7 @@ class Engine:
     def _work(self, step: bool = False) -> Iterator[None]:
         """The lock plus inference mode; flush-to-zero on this thread and, for one-row
         steps, the decode thread count, when asked for. Digests that snapshots queued
-        start now, alongside this step, not inside the snapshot call (see DigestQueue)."""
+        start now, alongside this step, not inside the snapshot call (see capsule.digest_worker)."""
         self.capsules.start_digests()
         with self._lock, torch.inference_mode():
             if self._flush_denormal:
@@ -254,7 +225,7 @@ class Engine:
         """Append ``token_ids`` to the state, commit a boundary, return next-token logits [vocab]."""
         ids = inputs.token_ids(token_ids, self.config.vocab_size)
         with self._work():
-            self._check_room(ids.numel())
+            self._live.check_room(ids.numel())
             self._live.prefill(ids.to(self.device))
             return _caller_owned(self.model.logits()[0].float())
 
@@ -294,16 +265,13 @@ class Engine:
         """
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
-        n = inputs.count(n, "number of tokens")
-        sync_every = inputs.count(sync_every, "sync_every")
-        temperature = inputs.temperature(temperature)
-        if seed is not None:
-            inputs.check_seed(seed)
-        drafts = self.check_speculative(speculative)
+        request = streaming.Request(inputs.count(n, "number of tokens"), inputs.count(sync_every, "sync_every"),
+                                    inputs.temperature(temperature), inputs.optional_seed(seed), bool(scored),
+                                    self.check_speculative(speculative))
         with self._lock:
-            self._check_room(n)
+            self._live.check_room(request.n)
             lineage = self._live.state.lineage
-        return self._stream(n, sync_every, lineage, temperature, seed, scored, drafts)
+        return streaming.stream(self._live, partial(self._work, step=True), request, lineage)
 
     def check_speculative(self, speculative: int | None) -> int:
         """The drafts per pass ``speculative`` asks for (0: none), or InvalidArgument: what
@@ -321,76 +289,18 @@ class Engine:
         """Speculative decoding's drafter and switch-off rule (None without an MTP layer)."""
         return self.decoder.speculation
 
-    def _stream(self, n: int, sync_every: int, lineage: int, temperature: float, seed: int | None,
-                scored: bool, drafts: int) -> Iterator[int] | Iterator[tuple[int, float, int]]:
-        # Each step copies its tokens into a device-side list under the lock, and reading
-        # it back costs one sync per ``sync_every`` tokens, not per token. Another caller
-        # may restore or roll back between two steps: the stream then stops rather than
-        # go on from a state it did not build.
-        out = torch.empty(n, dtype=torch.int64, device=self.device)
-        margins = torch.empty(n if scored else 0, dtype=torch.float64, device=self.device)
-        ends: list[int] = []   # the position after each token, when scored
-
-        def read_back(start: int, end: int) -> list:
-            tokens = out[start:end].tolist()
-            return list(zip(tokens, margins[start:end].tolist(), ends[start:end])) if scored else tokens
-
-        read = done = 0
-        last: Pass | None = None   # the last speculative pass: its logits follow its end
-        while done < n:
-            with self._work(step=True):
-                replaced = self._live.state.lineage != lineage
-                if not replaced:
-                    tokens, chosen_margins, last = self._next_tokens(n - done, temperature, seed if done == 0 else None,
-                                                                     drafts, last)
-                    count = tokens.shape[0]
-                    out[done:done + count] = tokens
-                    if scored:
-                        margins[done:done + count] = chosen_margins
-                        ends.extend(range(self._live.state.position - count + 1, self._live.state.position + 1))
-            if replaced:   # yielded outside the lock: the consumer may take its time
-                yield from read_back(read, done)
-                raise Preempted(f"a restore or rollback (or a reset) replaced the live state after {done} of "
-                                f"{n} tokens; the stream stopped there")
-            done += count
-            if sync_every and done - read >= sync_every:
-                yield from read_back(read, done)
-                read = done
-        if read < n:
-            yield from read_back(read, n)
-
-    def _next_tokens(self, left: int, temperature: float, seed: int | None, drafts: int,
-                     last: Pass | None) -> tuple[torch.Tensor, torch.Tensor, Pass | None]:
-        """Commit the next token, or a speculative pass of up to ``drafts`` drafts (fewer near the
-        end of the request or of the context): (tokens, margins, the pass or None)."""
-        self._check_room(1)
-        if seed is not None:
-            self.model.rng_seed.fill_(int(seed))
-        if temperature > 0:   # set per step: another caller's stream may have set its own
-            self.model.temperature.fill_(temperature)
-        at = self._live.state.position
-        if drafts and self.speculation.wanted():
-            k = min(drafts, left - 1, self.max_seq_len - at - 1)
-            if k >= 1:
-                done = self._live.speculative_pass(k, temperature > 0, last)
-                return done.tokens, done.margins, done
-        token, margin = self._live.token(sampled=temperature > 0)
-        return token, margin, None
-
     def append(self, token: int, *, seed: int | None = None) -> None:
         """Commit ``token`` as the next decode boundary, as if decode had chosen it (the same
         bytes as that decode): a replay on another platform continues from the recorded token
         where its own choice, at a near-tie, came out different. ``seed`` sets the sampling
         RNG state first, as ``stream`` does."""
-        if not is_int(token) or not 0 <= int(token) < self.config.vocab_size:
-            raise InvalidArgument(f"token must be an int in [0, {self.config.vocab_size}), got {token!r}")
-        if seed is not None:
-            inputs.check_seed(seed)
+        token = inputs.token(token, self.config.vocab_size)
+        seed = inputs.optional_seed(seed)
         with self._work(step=True):
-            self._check_room(1)
+            self._live.check_room(1)
             if seed is not None:
                 self.model.rng_seed.fill_(int(seed))
-            self._live.logged_token(int(token))
+            self._live.logged_token(token)
 
     def step(self, observation: Sequence[float] | torch.Tensor) -> torch.Tensor:
         """Policy mode: one observation vector in, one action vector out; commits a boundary."""
@@ -399,15 +309,10 @@ class Engine:
             raise InvalidArgument("this model has no policy heads (obs_dim = action_dim = 0)")
         obs = inputs.observation(observation, cfg.obs_dim)
         with self._work(step=True):
-            self._check_room(1)
-            try:
-                # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
-                # inside the model; committed, every later action would be NaN.
-                action = self._live.step(obs, finite_only=True)
-            except NotFinite:
-                raise InvalidArgument(f"observation (largest magnitude {obs.abs().max().item():.3g}) drove the "
-                                      "state to NaN or infinity; the step was undone") from None
-            return _caller_owned(action.cpu())
+            self._live.check_room(1)
+            # Finite inputs near the float32 limit (a common "unknown" sentinel) can overflow
+            # inside the model; committed, every later action would be NaN.
+            return _caller_owned(self._live.step(obs, finite_only=True).cpu())
 
     # ---- capsules --------------------------------------------------------------------------------
     def snapshot(self, name: str | None = None, tier: str = "device", pin: bool = False) -> CapsuleInfo:
@@ -417,19 +322,12 @@ class Engine:
         from (the last one restored or taken) are referenced, not copied. The
         digest is computed in the background; ``capsules.get(id)`` waits for it.
         """
-        with self._lock, self.capsules.operation():  # copies only: no inference mode or thread settings
+        with self._lock:  # copies only: no inference mode or thread settings (the store shares this lock)
             state = self._live.state
             plan = self.capsules.plan_snapshot(state.position, name=name, tier=tier, pin=pin,
                                                parent=state.base.capsule if state.base else "",
                                                base=state.base, log_runs=state.log)
-            try:
-                plan.copy(self.arena.buffer)
-                info = self.capsules.add(plan).info
-            except BaseException:   # a failed snapshot keeps no bytes
-                self.capsules.discard(plan)
-                raise
-            self._live.state = replace(state, base=Base(info.id, state.position))
-            return info
+            return self._live.snapshot(plan)
 
     def fork(self, source: str | CapsuleInfo | None = None, name: str | None = None) -> CapsuleInfo:
         """A new capsule branching from ``source`` (a capsule), or from the live state.
@@ -469,33 +367,16 @@ class Engine:
             record = self.capsules.resolve(capsule)
             self.capsules.check_compatible(record)
             groups = inputs.groups(regions, verify)
-            state = self._live.state
+            base = self._live.state.base
             # Descending from a capsule, the live state holds that capsule's per-token rows
             # [0:p] (KV is append-only); those this capsule shares with it are not copied.
             keep = 0
-            if state.base is not None and groups is None:
-                keep = self.capsules.shared_rows(record, state.base.capsule, min(state.base.rows, record.info.position))
-            backup = None
+            if base is not None and groups is None:
+                keep = self.capsules.shared_rows(record, base.capsule, min(base.rows, record.info.position))
             if verify:
                 self.capsules.verify(record)
-                backup = self.arena.buffer.clone()
             plan = self.capsules.plan_restore(record, keep, groups)   # a refusal here has changed nothing
-            try:
-                plan.copy(self.arena.buffer)
-                if groups is not None:   # the position counter is in the meta group
-                    self.model.position.fill_(plan.position)
-                if verify and self._digest(plan.position) != record.info.digest:
-                    raise _VerifyFailed
-                base = None if groups is not None else Base(record.info.id, plan.position)
-                self._live.state = renewed(moved(state, plan.position, plan.log, self._live.ring_at(plan.position),
-                                                 base))
-            except _VerifyFailed:
-                self.arena.buffer.copy_(backup)
-                raise CorruptCapsule(f"capsule {record.info.id}: live state after restore does not match its "
-                                     "digest") from None
-            except BaseException:
-                self._live.state = unknown(state)
-                raise
+            self._live.restore(plan, record.info, verify, partial=groups is not None)
             return record.info
 
     def rollback(self, steps: int = 1, to_position: int | None = None) -> int:
@@ -507,34 +388,12 @@ class Engine:
         Returns the new position.
         """
         with self._work():
-            position = self._live.state.position
+            state = self._live.state
             if to_position is not None:
-                if not is_int(to_position) or not 0 <= to_position <= position:
-                    raise InvalidCapsuleRequest(f"to_position must be an int in [0, {position}], got "
-                                                f"{to_position!r}")
-                self._live.replay_to(int(to_position), self.capsules)
-                return self._live.state.position
-            if not is_int(steps) or steps < 0:
-                raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {steps!r}")
-            kept = max(0, len(self._live.state.ring) - 1)
-            if steps > kept:
-                raise InvalidCapsuleRequest(f"cannot roll back {steps} boundaries: {kept} are kept "
-                                            f"(rollback_depth={self.rollback_depth})")
-            self._live.back(int(steps))
+                self._live.replay_to(inputs.rollback_target(to_position, state.position))
+            else:
+                self._live.back(inputs.rollback_steps(steps, max(0, len(state.ring) - 1), self.rollback_depth))
             return self._live.state.position
-
-    # ---- checks --------------------------------------------------------------------------------
-    def _check_room(self, n: int) -> None:
-        if self._live.state.position + n > self.max_seq_len:
-            # Full: nothing at all fits until room is freed. Otherwise the request is too long.
-            error = ContextFull if self._live.state.position >= self.max_seq_len else InvalidArgument
-            raise error(
-                f"{n} more positions would exceed max_seq_len={self.max_seq_len} "
-                f"(position is {self._live.state.position})")
-
-
-class _VerifyFailed(Exception):
-    """A verified restore's live state does not match the capsule's digest (never leaves the engine)."""
 
 
 def _caller_owned(t: torch.Tensor) -> torch.Tensor:

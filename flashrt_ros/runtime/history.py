@@ -122,6 +122,11 @@ def moved(state: Boundary, position: int, log: tuple[Run, ...], ring: tuple[Kept
     return replace(state, position=position, log=log, ring=ring, base=base, origin=origin)
 
 
+def snapshotted(state: Boundary, capsule: str) -> Boundary:
+    """``state``, whose live per-token rows [0:position] a new capsule now holds too."""
+    return replace(state, base=Base(capsule, state.position))
+
+
 def renewed(state: Boundary) -> Boundary:
     """``state`` as a replacement of the one before, not its extension."""
     return replace(state, lineage=state.lineage + 1)

@@ -78,9 +78,34 @@ def device(given: str | torch.device) -> torch.device:
     return dev
 
 
+# float64 is there to check the arithmetic itself against a float64 reference.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def dtype(given: Any) -> torch.dtype:
+    """One of the dtypes the engine computes in."""
+    if given not in DTYPES:
+        raise InvalidArgument(f"dtype {given} is not supported ({', '.join(map(str, DTYPES))})")
+    return given
+
+
+def max_seq_len(value: Any) -> int:
+    """The positions an engine's state holds: an int >= 1."""
+    if not is_int(value) or value < 1:
+        raise InvalidArgument(f"max_seq_len must be a positive int, got {value!r}")
+    return int(value)
+
+
 def check_seed(seed: Any) -> None:
     if not is_int(seed) or not 0 <= seed < 2**63:   # it names the seeded weights: 1.5 and "1.5" are not seeds
         raise InvalidArgument(f"seed must be an int in [0, 2**63), got {shown(seed)}")
+
+
+def optional_seed(seed: Any) -> int | None:
+    """A seed (``check_seed``), or None."""
+    if seed is not None:
+        check_seed(seed)
+    return seed
 
 
 def temperature(value: Any) -> float:
@@ -94,6 +119,30 @@ def count(value: Any, what: str) -> int:
     """An int >= 0 (a number of tokens, a sync interval)."""
     if not is_int(value) or value < 0:
         raise InvalidArgument(f"{what} must be an int >= 0, got {shown(value)}")
+    return int(value)
+
+
+def token(value: Any, vocab_size: int) -> int:
+    """A token id: an int in [0, vocab_size)."""
+    if not is_int(value) or not 0 <= int(value) < vocab_size:
+        raise InvalidArgument(f"token must be an int in [0, {vocab_size}), got {value!r}")
+    return int(value)
+
+
+def rollback_target(value: Any, position: int) -> int:
+    """A position to roll back to: an int in [0, position]."""
+    if not is_int(value) or not 0 <= value <= position:
+        raise InvalidCapsuleRequest(f"to_position must be an int in [0, {position}], got {value!r}")
+    return int(value)
+
+
+def rollback_steps(value: Any, kept: int, depth: int) -> int:
+    """Boundaries to roll back: an int in [0, kept], ``kept`` being those the ring holds behind
+    the live one (at most ``depth``)."""
+    if not is_int(value) or value < 0:
+        raise InvalidCapsuleRequest(f"steps must be an int >= 0, got {value!r}")
+    if value > kept:
+        raise InvalidCapsuleRequest(f"cannot roll back {value} boundaries: {kept} are kept (rollback_depth={depth})")
     return int(value)
 
 

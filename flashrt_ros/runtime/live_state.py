@@ -1,9 +1,12 @@
 """The live state: its ``Boundary`` value, the ring of fixed blocks behind it, and the moves that
-advance it (commits) or take it back (the ring, a replay of the log to a position).
+advance it (commits), take it back (the ring, a replay of the log to a position), replace it
+(a capsule's restore) or keep it (a snapshot).
 
 Each move writes the arena, then assigns the next ``Boundary`` from one of ``history``'s
 transitions. A move that fails part-way leaves the arena and the value as the last committed
-boundary had them. The caller holds the engine lock.
+boundary had them (a restore interrupted mid-copy, whose arena is neither state, says so
+with ``history.unknown``). The caller holds the engine lock, and has checked the request;
+the capsule store plans each snapshot and restore, and the moves here carry the plans out.
 """
 from __future__ import annotations
 
@@ -13,32 +16,52 @@ from typing import Iterator
 
 import torch
 
-from ..capsule import CapsuleStore
-from ..capsule.errors import CapsuleError
-from ..errors import FlashRTError
+from ..capsule import CapsuleInfo, CapsuleStore
+from ..capsule.errors import CapsuleError, CorruptCapsule
+from ..capsule.plans import RestorePlan, SnapshotPlan
+from ..digest import state_digest
+from ..errors import ContextFull, FlashRTError, InvalidArgument
 from .arena import StateArena
 from .decoding import Decoder, Pass
 from .history import (DECODE, PREFILL, STEP, Base, Boundary, RingSlots, between, committed, moved, renewed,
-                      stepped_back)
+                      snapshotted, stepped_back, unknown)
 
 log = logging.getLogger(__name__)
 
 
-class NotFinite(Exception):
-    """A policy step gave NaN or infinity; it was not committed (never leaves the engine)."""
+class _VerifyFailed(Exception):
+    """A verified restore's live state does not match the capsule's digest (never leaves ``restore``)."""
 
 
 class LiveState:
-    """The engine's live state and its moves, over one arena and one decoder."""
+    """The engine's live state and its moves, over one arena, one decoder and the capsule store
+    that keeps the arena's capsules; ``max_seq_len`` positions fit, ``depth`` boundaries back."""
 
-    def __init__(self, arena: StateArena, decoder: Decoder, depth: int) -> None:
-        self.arena, self.decoder, self.model = arena, decoder, decoder.model
+    def __init__(self, arena: StateArena, decoder: Decoder, capsules: CapsuleStore, depth: int,
+                 max_seq_len: int) -> None:
+        self.arena, self.decoder, self.model, self.capsules = arena, decoder, decoder.model, capsules
+        self.max_seq_len = max_seq_len
         self.slots = RingSlots(depth, arena.fixed_bytes, arena.device)
         self.state = Boundary(ring=self.ring_at(0))
 
     def ring_at(self, position: int) -> tuple:
         """A ring of the arena's fixed block alone, as the boundary at ``position``."""
         return self.slots.saved((), self.arena.buffer, position)
+
+    def check_room(self, n: int) -> None:
+        """Whether ``n`` more positions fit: ContextFull when the state is full (nothing fits until
+        room is freed), InvalidArgument when the request alone is too long."""
+        position = self.state.position
+        if position + n > self.max_seq_len:
+            error = ContextFull if position >= self.max_seq_len else InvalidArgument
+            raise error(f"{n} more positions would exceed max_seq_len={self.max_seq_len} (position is {position})")
+
+    def digest(self) -> str:
+        """The live state's digest (``flashrt_ros.digest``): the one its capsule would carry."""
+        return self._digest(self.state.position)
+
+    def _digest(self, position: int) -> str:
+        return state_digest(self.capsules.layout.ranges(position), self.arena.read)
 
     # ---- forward ---------------------------------------------------------------------------------
     @contextmanager
@@ -80,8 +103,8 @@ class LiveState:
 
     def step(self, observation: torch.Tensor, finite_only: bool = False) -> torch.Tensor:
         """One policy boundary; its action [action_dim] on the device. ``finite_only``: raise
-        NotFinite, nothing committed, if the step drove the action or the hidden state to NaN
-        or infinity (a replay commits what was committed)."""
+        InvalidArgument, nothing committed, if the step drove the action or the hidden state to
+        NaN or infinity (a replay commits what was committed)."""
         with self.committed_whole():
             action = self.decoder.policy(self.state.position, observation)
             if finite_only and not self.decoder.finite():
@@ -90,7 +113,8 @@ class LiveState:
                 for region in self.arena.regions:
                     if region.per_token:
                         self.arena[region.name][self.state.position].zero_()
-                raise NotFinite
+                raise InvalidArgument(f"observation (largest magnitude {observation.abs().max().item():.3g}) "
+                                      "drove the state to NaN or infinity; the step was undone")
             self.commit(STEP, 1)
         return action
 
@@ -103,6 +127,43 @@ class LiveState:
             for image in done.states:
                 self.commit(DECODE, 1, image=image)
         return done
+
+    # ---- capsules --------------------------------------------------------------------------------
+    def snapshot(self, plan: SnapshotPlan) -> CapsuleInfo:
+        """The live state copied into the capsule ``plan`` lays out, which the state then descends
+        from. A copy or an add that fails keeps no bytes and changes nothing."""
+        try:
+            plan.copy(self.arena.buffer)
+            info = self.capsules.add(plan).info
+        except BaseException:
+            self.capsules.discard(plan)
+            raise
+        self.state = snapshotted(self.state, info.id)
+        return info
+
+    def restore(self, plan: RestorePlan, capsule: CapsuleInfo, verify: bool = False, partial: bool = False) -> None:
+        """The state of ``capsule``, whose copies ``plan`` holds, as a replacement of this one.
+
+        ``verify``: the live state is hashed after the copy; on a mismatch with the capsule's
+        digest the arena is put back as it was and CorruptCapsule raised. ``partial``: the plan
+        copies only some groups (an ablation): the position is set, and the state descends from
+        no capsule. Anything else raised part-way leaves the state ``unknown``."""
+        state = self.state
+        backup = self.arena.buffer.clone() if verify else None
+        try:
+            plan.copy(self.arena.buffer)
+            if partial:   # the position counter is in the meta group
+                self.model.position.fill_(plan.position)
+            if verify and self._digest(plan.position) != capsule.digest:
+                raise _VerifyFailed
+            base = None if partial else Base(capsule.id, plan.position)
+            self.state = renewed(moved(state, plan.position, plan.log, self.ring_at(plan.position), base))
+        except _VerifyFailed:
+            self.arena.buffer.copy_(backup)
+            raise CorruptCapsule(f"capsule {capsule.id}: live state after restore does not match its digest") from None
+        except BaseException:
+            self.state = unknown(state)
+            raise
 
     # ---- back ------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -120,7 +181,7 @@ class LiveState:
         self.slots.load(state.ring[index], self.arena.buffer)
         return stepped_back(state, index)
 
-    def replay_to(self, target: int, capsules: CapsuleStore) -> None:
+    def replay_to(self, target: int) -> None:
         """Back to position ``target`` <= the position: from the nearest kept boundary at or before
         it, the logged inputs committed again. A replay that fails changes nothing."""
         state = self.state
@@ -130,7 +191,7 @@ class LiveState:
         fixed = self.arena.buffer[:self.arena.fixed_bytes].clone()
         rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
-            start = self._replay_start(state, target, capsules)
+            start = self._replay_start(state, target)
             rows = [(view[start.position:target], view[start.position:target].clone())
                     for r, view in self.arena.live_views(self.model.rows.numel()) if r.per_token]
             self.state = start
@@ -155,17 +216,17 @@ class LiveState:
         return (self.model.tokens[:end].tolist(), self.model.seeds[:end].tolist(),
                 None if observations is None else observations[:end].clone())
 
-    def _replay_start(self, state: Boundary, target: int, capsules: CapsuleStore) -> Boundary:
+    def _replay_start(self, state: Boundary, target: int) -> Boundary:
         """The nearest boundary at or before ``target``, loaded into the arena: a ring entry; else
         the capsule the state descends from, if the run passed its boundary (its rows are the
         live ones, so only its fixed block is copied); else the empty state."""
         index = next((i for i in range(len(state.ring) - 1, -1, -1) if state.ring[i].position <= target), None)
         if index is not None:
             return self._stepped_back(state, index)
-        origin = None if state.base is None else capsules.kept(state.base.capsule)
+        origin = None if state.base is None else self.capsules.kept(state.base.capsule)
         if origin is not None and 0 < origin.info.position <= min(target, state.base.rows):
             try:   # a disk capsule that can no longer be read is only a lost shortcut
-                capsules.plan_restore(origin, keep_rows=origin.info.position).copy(self.arena.buffer)
+                self.capsules.plan_restore(origin, keep_rows=origin.info.position).copy(self.arena.buffer)
                 at = origin.info.position
                 return moved(state, at, origin.log, self.ring_at(at), Base(origin.info.id, at), origin.info.id)
             except CapsuleError as exc:

@@ -53,6 +53,10 @@ class EngineOptions:
     max_draft_tokens: int = 4
     capsule_key: bytes | None = None
 
+    def tier_budgets(self, arena_bytes: int) -> dict[str, int]:
+        """``budgets`` over the defaults: 8 arenas' bytes on the device, 32 on the host, 4 GiB on disk."""
+        return {"device": 8 * arena_bytes, "host": 32 * arena_bytes, "disk": 4 << 30} | (self.budgets or {})
+
     @classmethod
     def of(cls, options: dict[str, Any]) -> "EngineOptions":
         known = {f.name for f in fields(cls)}

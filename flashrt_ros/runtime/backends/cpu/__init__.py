@@ -10,14 +10,28 @@ Where the library is not built, or off the CPU, the engine runs the torch refere
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import delta_step, row_product
+
+log = logging.getLogger(__name__)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this backend can run an engine of ``dtype`` on ``device``."""
     return device.type == "cpu" and dtype == torch.float32 and row_product.available() and delta_step.available()
+
+
+def chosen(asked: bool, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine that ``asked`` for this backend runs on it. Where it would (float32 on
+    a CPU) but the library is not built, a warning says how to build it."""
+    serving = asked and serves(device, dtype)
+    if asked and not serving and device.type == "cpu" and dtype == torch.float32:
+        log.warning("the package's C library (src/) is not built: decode runs on the torch reference path; "
+                    "build the package with a C compiler (colcon build, or pip install .)")
+    return serving
 
 
 KERNELS = ("row_product", "delta_step")
