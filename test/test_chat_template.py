@@ -117,35 +117,3 @@ def test_of_named_templates_the_default_is_taken(tmp_path):
              {"name": "default", "template": "{{ messages[0]['content'] }}"}]
     tok = load_tokenizer(_checkpoint_tokenizer(tmp_path, template=named))
     assert tok.chat_template.render([{"role": "user", "content": "hi"}]) == "hi"
-
-
-def test_a_generate_goal_takes_a_chat_over_dds(ros_context, tmp_path):
-    """The goal's messages go through the checkpoint's template: the same tokens as its ids sent
-    as token_ids; a refusal of the template answers INVALID_ARGUMENT and commits nothing."""
-    pytest.importorskip("rclpy")
-    from ros_harness import Harness, wait_future
-
-    from flashrt_ros.errors import ErrorCode
-    from flashrt_ros.runtime import ModelConfig
-    from flashrt_ros.runtime.weights import save_checkpoint, seeded_weights
-
-    folder = _checkpoint_tokenizer(tmp_path)
-    cfg = ModelConfig.tiny()
-    save_checkpoint(folder, cfg, seeded_weights(cfg, seed=3))
-    ids = load_tokenizer(folder).encode_chat(CHAT)
-    h = Harness(ros_context, {"model_path": str(folder)})
-    try:
-        _, result = h.generate(messages=CHAT, max_new_tokens=6)
-        chat = wait_future(result).result
-        assert chat.success, chat.message
-        assert chat.position == len(ids) + len(chat.tokens)
-        assert h.call("rollback", to_position=0).success
-        _, result = h.generate(token_ids=ids, max_new_tokens=6)
-        assert list(wait_future(result).result.tokens) == list(chat.tokens)
-        at = h.node.engine.position
-        _, result = h.generate(messages=[{"role": "robot", "content": "hi"}], max_new_tokens=6)
-        refused = wait_future(result).result
-        assert refused.error_code == ErrorCode.INVALID_ARGUMENT and "unknown role robot" in refused.message
-        assert refused.position == at == h.node.engine.position
-    finally:
-        h.close()

@@ -202,8 +202,8 @@ def test_rollback_to_position_minus_one_means_unused_by_convention() -> None:
 def test_generate_action_has_the_designed_goal_result_and_feedback() -> None:
     gen = fr_action.Generate
     assert gen.Goal.get_fields_and_field_types() == {
-        "prompt": "string", "token_ids": "sequence<int32>", "messages": "sequence<flashrt_ros/ChatMessage>",
-        "max_new_tokens": "int32", "temperature": "float", "seed": "int64", "speculative": "int32",
+        "prompt": "string", "token_ids": "sequence<int32>", "max_new_tokens": "int32",
+        "temperature": "float", "seed": "int64", "speculative": "int32",
     }
     assert gen.Result.get_fields_and_field_types() == {
         **OUTCOME, "tokens": "sequence<int32>", "text": "string", "ttft_ms": "double",

@@ -28,7 +28,7 @@ import numbers
 import threading
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any
 
 import py_trees
 from py_trees.common import Access, Status
@@ -37,7 +37,6 @@ from rclpy.action import ActionClient
 
 from ..action import Generate as GenerateAction
 from ..errors import ErrorCode
-from ..msg import ChatMessage
 from ..srv import DropCapsule as DropSrv
 from ..srv import Fork as ForkSrv
 from ..srv import Restore as RestoreSrv
@@ -360,16 +359,13 @@ class Generate(_Call):
     run that starts meanwhile sends its goal at once: the node queues it behind the canceled
     one (one goal waits at most; a goal beyond that is refused BUSY). A goal canceled by
     another client is a FAILURE (CANCELED), not a short result. ``temperature`` and ``seed``
-    are the goal's (0 and -1: greedy, the state's own seed). ``messages``, (role, content)
-    pairs, send a chat in place of ``prompt``: the node renders it with the checkpoint's template.
+    are the goal's (0 and -1: greedy, the state's own seed).
     """
 
     def __init__(self, name: str, node: Any, result_key: str, prompt: str = "", max_new_tokens: int = 16,
                  server: str = "/flashrt", timeout_s: float = 30.0, error_key: str = "flashrt_error",
-                 wait_for_server_s: float = 5.0, temperature: float = 0.0, seed: int = -1,
-                 messages: Sequence[tuple[str, str]] = ()) -> None:
+                 wait_for_server_s: float = 5.0, temperature: float = 0.0, seed: int = -1) -> None:
         super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
-        self.messages = [ChatMessage(role=role, content=content) for role, content in messages]
         self.client = _ActionClient(node, GenerateAction, f"{self.server}/generate")
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
         self.temperature, self.seed = float(temperature), int(seed)
@@ -383,8 +379,8 @@ class Generate(_Call):
         self._future, self._goal = None, None
         if self.client.server_is_ready():
             self._send(self.client.send_goal_async(GenerateAction.Goal(
-                prompt=self.prompt, messages=self.messages, max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature, seed=self.seed)))
+                prompt=self.prompt, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                seed=self.seed)))
 
     def update(self) -> Status:
         if self._future is None and self._goal is None:

@@ -101,15 +101,12 @@ def _streamed(node: Any, engine: Any, goal_handle: Any, stream: Iterator[int], t
 
 
 def _prompt_ids(tokenizer: Any, goal: Any) -> list[int]:
-    """token_ids, else the messages through the chat template, else the prompt text."""
     if len(goal.token_ids):
         return [int(t) for t in goal.token_ids]
-    if not goal.messages and not goal.prompt:
+    if not goal.prompt:
         return []
     if tokenizer is None:
         raise InvalidArgument("this checkpoint has no tokenizer.json: send token_ids instead of a prompt")
-    if goal.messages:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in goal.messages])
     return tokenizer.encode(goal.prompt)
 
 
