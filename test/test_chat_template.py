@@ -6,7 +6,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from flashrt_ros.errors import CheckpointError, InvalidArgument
+from flashrt_ros.errors import InvalidArgument
 from flashrt_ros.runtime.chat import TEMPLATE_FILE
 from flashrt_ros.runtime.tokenizer import load_tokenizer
 
@@ -94,9 +94,19 @@ def test_the_template_runs_in_a_sandbox(tmp_path):
         tok.encode_chat(CHAT)
 
 
-def test_a_template_that_does_not_compile_is_a_checkpoint_error(tmp_path):
-    with pytest.raises(CheckpointError, match="does not compile"):
-        load_tokenizer(_checkpoint_tokenizer(tmp_path, template="{% for %}"))
+def test_a_template_that_does_not_compile_refuses_chats_and_prompts_still_work(tmp_path):
+    tok = load_tokenizer(_checkpoint_tokenizer(tmp_path, template="{% for %}"))
+    with pytest.raises(InvalidArgument, match="does not compile"):
+        tok.encode_chat(CHAT)
+    assert tok.encode("pick the red cube")
+
+
+def test_a_generation_block_renders_its_body(tmp_path):
+    """transformers' training-mask tag: a template that uses it renders as transformers renders it."""
+    template = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}{% generation %}"
+                "{{ m['content'] }}{% endgeneration %}{%- else %}{{ m['content'] }}{%- endif %}{%- endfor %}")
+    folder = _checkpoint_tokenizer(tmp_path, template=template)
+    assert load_tokenizer(folder).encode_chat(CHAT) == _transformers_ids(folder, CHAT)
 
 
 def test_without_a_template_a_chat_is_refused_and_a_prompt_still_works(tmp_path):

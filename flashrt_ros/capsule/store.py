@@ -97,7 +97,10 @@ class CapsuleStore:
         """The capsule events since the last take, oldest first, each (kind, info): snapshot,
         fork, drop, spill, evict, and digest once a capsule's background hash is collected
         (never after the capsule's drop or eviction). Taken under the lock, so each
-        operation's events are all there or none."""
+        operation's events are all there or none. Nothing pending: no turn of the lock, which
+        the node asks for on every tick while decode steps queue for it."""
+        if not self._events and not self.digests.posted:
+            return []
         with self._lock:
             self._collect()
             events = list(self._events)

@@ -21,7 +21,6 @@ from rosbags.interfaces import MessageDefinition, MessageDefinitionFormat
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from ..errors import InvalidArgument
-from ..runtime.backends import cpu as cpu_backend
 from ..serving.record import SessionRecord
 from ..serving.journal import DECODE, DROP, FORK, KINDS, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, Journal
 from .types import deserialize, schema_text, type_hash, typestore
@@ -123,7 +122,7 @@ def session_message(session: SessionRecord, stamp_ns: int) -> Any:
         raise InvalidArgument(f"a session record with prefill_chunk={session.prefill_chunk} has no JournalSession "
                               f"form (it carries the default, {SessionRecord.prefill_chunk}): replay it in process")
     fields = {name: getattr(session, name) for name in _SESSION_SCALARS}
-    budgets = {tier: size for tier, size in session.budgets if size is not None}
+    budgets = dict(session.budgets)
     kernels = dict(session.kernels)
     return typestore().types[SESSION_TYPE](
         header=_header(stamp_ns), **fields, signed_capsules=session.signed,
@@ -155,14 +154,15 @@ class BagWriter:
         self.path = Path(path)
         self._flush_each = flush_each
         self._clock = clock or (lambda: time.time_ns())
+        now = self._clock()
+        # Made before the bag is opened: a record with no message form leaves no half-made bag.
+        record = None if session is None else typestore().serialize_cdr(session_message(session, now), SESSION_TYPE)
         self._writer: Writer | None = Writer(self.path, version=9, storage_plugin=StoragePlugin.MCAP)
         self._writer.open()
         self._lock = threading.Lock()
         self._connections: dict[tuple[str, str], Any] = {}
-        if session is not None:
-            now = self._clock()
-            self._write(SESSION_TOPIC, SESSION_TYPE,
-                        typestore().serialize_cdr(session_message(session, now), SESSION_TYPE), now, flush=flush_each)
+        if record is not None:
+            self._write(SESSION_TOPIC, SESSION_TYPE, record, now, flush=flush_each)
 
     def __call__(self, entry: Entry) -> None:
         now = self._clock()

@@ -1,8 +1,6 @@
 """Between engine values and ROS messages: capsule metadata, errors, stamps."""
 from __future__ import annotations
 
-from typing import Any
-
 from builtin_interfaces.msg import Time
 from rclpy.serialization import deserialize_message
 

@@ -55,14 +55,15 @@ class GoalQueue:
         node, result = self._node, Generate.Result()
         try:
             if not self._wait_for_turn(goal_handle):   # nothing was committed
+                engine = node.engine
                 result.message = "canceled while it waited for the goal before it"
-                result.position = node.engine.position if node.engine is not None else 0
+                result.position = engine.position if engine is not None else 0
                 return self._finish(goal_handle, result, None)
         except Exception as exc:
             return self._finish(goal_handle, result, exc)
         try:
             session = node.session
-            if not node.serving:
+            if session is None or not node.serving:
                 raise NotActive(f"node is {node.label}, not active")
             return self._finish(goal_handle, result, run_generation(node, session, goal_handle, result))
         except Exception as exc:
@@ -109,8 +110,9 @@ class GoalQueue:
         elif code == ErrorCode.INTERNAL:
             node.get_logger().error(f"generate failed: {message}\n{traceback.format_exc()}")
         result.success, result.error_code, result.message = False, code, message
-        if node.engine is not None:
-            result.position = node.engine.position
+        engine = node.engine
+        if engine is not None:
+            result.position = engine.position
         try:
             goal_handle.abort()
         except Exception:

@@ -199,9 +199,13 @@ class FlashRTNode(LifecycleNode):
         info, code, message, position = None, int(ErrorCode.OK), "ok", None
         start = time.perf_counter()
         try:
-            if not self.serving or session is None:
+            if session is None:
                 raise NotActive(f"node is {self.label}, not active: activate it to serve {kind}")
-            info, message, position = answer(request, response, session, self.get_parameter("default_tier").value)
+            with session.engine.lock:   # asked again under it: a cleanup lets go of the session under it
+                if not self.serving or self.session is not session:
+                    raise NotActive(f"node is {self.label}, not active: activate it to serve {kind}")
+                info, message, position = answer(request, response, session,
+                                                 self.get_parameter("default_tier").value)
             message = message or "ok"
         except Exception as exc:
             code, message = outcome(exc)

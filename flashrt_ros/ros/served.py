@@ -141,23 +141,25 @@ class Served:
         """Destroy what was made, close the bag, free the engine. The node no longer hands this out
         (it let go of it under the engine lock, so operations in flight have ended)."""
         node = self._node
-        for entity, destroy in ((self._timer, node.destroy_timer), (self._record_pub, node.destroy_publisher)):
-            if entity is not None:
-                destroy(entity)
-        self._timer = self._record_pub = None
-        policy, self.policy = self.policy, None
-        if policy is not None:
-            policy.close()
-        bag, self.bag = self.bag, None
-        self.session.journal = None
-        if bag is not None:
-            try:
-                bag.close()
-            except Exception as exc:  # e.g. its folder was deleted: the engine is freed all the same
-                node.get_logger().error(f"journal could not be closed: {exc}")
-        self.engine.close()
-        if self.engine.device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            for entity, destroy in ((self._timer, node.destroy_timer), (self._record_pub, node.destroy_publisher)):
+                if entity is not None:
+                    destroy(entity)
+            self._timer = self._record_pub = None
+            policy, self.policy = self.policy, None
+            if policy is not None:
+                policy.close()
+            bag, self.bag = self.bag, None
+            self.session.journal = None
+            if bag is not None:
+                try:
+                    bag.close()
+                except Exception as exc:  # e.g. its folder was deleted: the engine is freed all the same
+                    node.get_logger().error(f"journal could not be closed: {exc}")
+        finally:   # whatever failed above, the engine's memory and threads go
+            self.engine.close()
+            if self.engine.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def _build(vals: dict[str, Any]) -> tuple[Engine, Any]:

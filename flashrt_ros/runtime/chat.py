@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import CheckpointError, InvalidArgument
@@ -31,7 +32,8 @@ class ChatTemplate:
     turn begins (``add_generation_prompt``)."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, _GenerationBlock])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -95,6 +97,18 @@ def _message(index: int, message: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(content, str):
         raise InvalidArgument(f"message {index} ({role}) has no text content")
     return {"role": role, "content": content}
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's tokens with it
+    for training masks; rendering a prompt, its body is rendered as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

@@ -186,7 +186,7 @@ class Engine:
 
     def close(self) -> None:
         """Release the capsule store's memory and its digest thread (disk capsules stay on
-        disk). The engine must not be used afterwards; do not call it holding ``lock``."""
+        disk). The engine must not be used afterwards."""
         self.capsules.close()
 
     def __enter__(self) -> "Engine":

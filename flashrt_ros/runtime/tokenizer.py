@@ -55,7 +55,14 @@ class FileTokenizer:
         # the engine's stop_token_ids.
         eos = special_tokens(config).get("eos_token")
         self.eos_id = self._tok.token_to_id(eos) if eos is not None else None
-        self.chat_template: ChatTemplate | None = load_chat_template(Path(path).parent, config)
+        # A template that does not load refuses chats only: prompts and token ids need none.
+        self.chat_template: ChatTemplate | None = None
+        self._no_template = ("this checkpoint has no chat template (tokenizer_config.json's chat_template, or "
+                             "chat_template.jinja): send a prompt or token_ids")
+        try:
+            self.chat_template = load_chat_template(Path(path).parent, config)
+        except CheckpointError as exc:
+            self._no_template = f"{exc}: send a prompt or token_ids"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -67,8 +74,7 @@ class FileTokenizer:
         """The ids of ``messages`` rendered with the chat template, up to the assistant's turn. The
         template writes its own special tokens, so the tokenizer adds none (as transformers does)."""
         if self.chat_template is None:
-            raise InvalidArgument("this checkpoint has no chat template (tokenizer_config.json's chat_template, or "
-                                  "chat_template.jinja): send a prompt or token_ids")
+            raise InvalidArgument(self._no_template)
         return self._tok.encode(self.chat_template.render(messages), add_special_tokens=False).ids
 
 
