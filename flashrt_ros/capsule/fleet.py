@@ -240,9 +240,10 @@ class FleetTier:
         try:
             for attempt in range(PUBLISH_ATTEMPTS):
                 with self._talking("publish"):
-                    present = self._scripts.touch(keys=[self.keys.touched, *map(self.keys.chunk, unique)],
+                    touched = self._scripts.touch(keys=[self.keys.touched, *map(self.keys.chunk, unique)],
                                                   args=[2 * self._grace_ms(), *unique])
-                    missing = [d for d, here in zip(unique, present) if not here]
+                    self._check(outcome(touched[:2])[0])
+                    missing = [d for d, here in zip(unique, touched[2:]) if not here]
                     n, b = self._send(missing, unique, deadline, progress, len(unique))
                     sent, sent_bytes = sent + n, sent_bytes + b
                     deadline.check()
@@ -253,6 +254,7 @@ class FleetTier:
                         args=[manifest, self.config.node, lease, self._grace_ms(), name or "",
                               fleet_manifest.name_value(self._key, name, info.id) if name else "",
                               self.keys.name_prefix, info.id, *digests]))
+                self._check(word)
                 if word == "ok":
                     break
                 if word == "conflict":
@@ -382,6 +384,7 @@ class FleetTier:
                 keys=[self.keys.manifest(capsule_id), self.keys.holders(capsule_id), self.keys.names_of(capsule_id),
                       *map(self.keys.chunk, digests)],
                 args=[self.config.node, lease, self._grace_ms(), self.keys.name_prefix, capsule_id]))
+        self._check(word)
         if word == "unknown":
             raise UnknownCapsule(f"no fleet capsule {capsule_id}")
         if word == "missing":
@@ -397,6 +400,7 @@ class FleetTier:
             word, others = outcome(self._scripts.drop(
                 keys=[self.keys.manifest(capsule_id), self.keys.holders(capsule_id), self.keys.names_of(capsule_id)],
                 args=[self.config.node, self.keys.name_prefix, capsule_id]))
+        self._check(word)
         if word == "unknown":
             raise UnknownCapsule(f"no fleet capsule {capsule_id}")
         if word == "not_held":
@@ -456,6 +460,13 @@ class FleetTier:
                     log.warning("fleet name %r skipped: %s", name, exc)
         return names
 
+    def _check(self, word: str) -> None:
+        """A script's refusal to write over a key of another type (nothing was written)."""
+        if word == "wrongtype":
+            self._count(failures=1)
+            raise CapsuleIOError(f"fleet tier: a key under prefix {self.config.prefix!r} holds another type than "
+                                 "this tier writes there: is another application using the prefix?")
+
     def _grace_ms(self) -> int:
         return int(self.config.grace_s * 1000)
 
@@ -488,7 +499,7 @@ class FleetTier:
             return FleetUnavailable(f"{where}: cannot reach the server ({text})")
         if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in text:
             return FleetUnavailable(f"{where}: the server's ACL refuses this user a command or key ({text})")
-        if "OOM" in text:
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) or "maxmemory" in text:
             return BudgetExceeded(f"{where}: the server is out of memory (maxmemory) and refused the write ({text})")
         return CapsuleIOError(f"{where}: the server answered an error ({text})")
 

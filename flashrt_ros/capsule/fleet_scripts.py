@@ -14,6 +14,12 @@ The invariants the scripts keep together:
    longest lease (``holders``: node -> end of lease, +inf until dropped); the last drop
    deletes them.
 
+Each script declares itself (``#!lua``, Redis 7 or Valkey): the server refuses a script that
+may write while it is over maxmemory before the script starts, never half-way through its
+writes; collection and drop, which free memory, are allowed then (``allow-oom``). A script
+checks the types of the keys it writes before its first write, for the same reason: a key of
+another type (another application on the prefix) makes it refuse, not stop half-way.
+
 Scripts reach the name keys of a capsule through its names set, building their key names
 from the prefix: fine on one server (Valkey or Redis, with or without replicas); a cluster
 would need every key of a capsule in one hash slot (docs/fleet.md).
@@ -24,7 +30,19 @@ from typing import Sequence
 
 import redis
 
+_WRITES = "#!lua\n"
+_FREES = "#!lua flags=allow-oom\n"
+
 _COMMON = """
+-- The first key of pairs {key, type, ...} that holds another type than its own, or nil.
+local function wrong_type(pairs)
+  for i = 1, #pairs, 2 do
+    local kind = redis.call('TYPE', pairs[i])['ok']
+    if kind ~= 'none' and kind ~= pairs[i + 1] then return pairs[i] end
+  end
+  return nil
+end
+
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -82,8 +100,9 @@ end
 
 # KEYS: touched set, chunk keys...   ARGV: least ttl (ms), chunk digests...
 # Marks each chunk touched now (never earlier than it was), keeps an existing one for at least
-# the least ttl, and answers 1 where the chunk exists, 0 where it must be sent.
-TOUCH = _COMMON + """
+# the least ttl, and answers {'ok', 0} then 1 where the chunk exists, 0 where it must be sent.
+TOUCH = _WRITES + _COMMON + """
+if wrong_type({KEYS[1], 'zset'}) then return {'wrongtype', 0} end
 local now = now_ms()
 local least = tonumber(ARGV[1])
 local present = {}
@@ -91,20 +110,24 @@ for i = 2, #KEYS do
   redis.call('ZADD', KEYS[1], 'GT', now, ARGV[i])
   local ttl = redis.call('PTTL', KEYS[i])
   if ttl == -2 then
-    present[i - 1] = 0
+    present[i + 1] = 0
   else
-    present[i - 1] = 1
+    present[i + 1] = 1
     if ttl >= 0 and ttl < least then redis.call('PEXPIRE', KEYS[i], least) end
   end
 end
+present[1], present[2] = 'ok', 0
 return present
 """
 
 # KEYS: manifest, holders, names set, touched set, name key (the manifest key when no name), chunk keys...
 # ARGV: manifest, node, lease (ms or 'inf'), grace (ms), name ('' for none), name value, name key prefix,
 #       capsule id, chunk digests...
-# Answers {'ok', 0}, {'missing', i}, {'stale', i} (chunk i, from 1), or {'conflict', 0}.
-COMMIT = _COMMON + """
+# Answers {'ok', 0}, {'missing', i}, {'stale', i} (chunk i, from 1), {'conflict', 0} or {'wrongtype', 0}.
+COMMIT = _WRITES + _COMMON + """
+if wrong_type({KEYS[1], 'string', KEYS[2], 'zset', KEYS[3], 'set', KEYS[4], 'zset', KEYS[5], 'string'}) then
+  return {'wrongtype', 0}
+end
 local now = now_ms()
 local grace = tonumber(ARGV[4])
 for i = 6, #KEYS do
@@ -127,8 +150,9 @@ return {'ok', 0}
 """
 
 # KEYS: manifest, holders, names set, chunk keys...   ARGV: node, lease (ms or 'inf'), grace (ms),
-# name key prefix, capsule id.   Answers {'ok', 0}, {'unknown', 0} or {'missing', i}.
-HOLD = _COMMON + """
+# name key prefix, capsule id.   Answers {'ok', 0}, {'unknown', 0}, {'missing', i} or {'wrongtype', 0}.
+HOLD = _WRITES + _COMMON + """
+if wrong_type({KEYS[1], 'string', KEYS[2], 'zset', KEYS[3], 'set'}) then return {'wrongtype', 0} end
 local now = now_ms()
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown', 0} end
 for i = 4, #KEYS do
@@ -143,8 +167,9 @@ return {'ok', 0}
 
 # KEYS: manifest, holders, names set   ARGV: node, name key prefix, capsule id.
 # Answers {'gone', 0} (the last reference: the capsule's keys are deleted, its chunks are left
-# for collection), {'held', n} (n other holders keep it), {'not_held', 0} or {'unknown', 0}.
-DROP = _COMMON + """
+# for collection), {'held', n} (n other holders keep it), {'not_held', 0}, {'unknown', 0} or {'wrongtype', 0}.
+DROP = _FREES + _COMMON + """
+if wrong_type({KEYS[1], 'string', KEYS[2], 'zset', KEYS[3], 'set'}) then return {'wrongtype', 0} end
 local now = now_ms()
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown', 0} end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return {'not_held', 0} end
@@ -161,13 +186,13 @@ return {'held', redis.call('ZCARD', KEYS[2])}
 # Deletes each chunk whose touch is still older than the cutoff (checked here, atomically with
 # the delete); a chunk with no touch entry was not written by a publisher of this tier: left.
 # Answers {chunks deleted, bytes freed}.
-COLLECT = """
+COLLECT = _FREES + """
 local cutoff = tonumber(ARGV[1])
 local removed, freed = 0, 0
 for i = 2, #KEYS do
   local touched = redis.call('ZSCORE', KEYS[1], ARGV[i])
   if touched and tonumber(touched) < cutoff then
-    freed = freed + redis.call('STRLEN', KEYS[i])
+    if redis.call('TYPE', KEYS[i])['ok'] == 'string' then freed = freed + redis.call('STRLEN', KEYS[i]) end
     removed = removed + redis.call('DEL', KEYS[i])
     redis.call('ZREM', KEYS[1], ARGV[i])
   end
