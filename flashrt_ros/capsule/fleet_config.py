@@ -130,9 +130,10 @@ def read_secret(path: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
         raise InvalidCapsuleRequest(f"fleet password file {path!r}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidCapsuleRequest(f"fleet password file {path!r} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidCapsuleRequest(f"fleet password file {path!r} is not a regular file")
         try:
             raw = f.read(MAX_SECRET_BYTES + 2)
         except OSError as exc:
