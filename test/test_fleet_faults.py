@@ -174,6 +174,19 @@ def test_a_full_server_without_eviction_refuses_a_publish_with_budget_exceeded(k
     assert not client.keys("flashrt:manifest:*")
 
 
+def test_a_capsule_damaged_in_the_publishers_memory_is_published_but_refused_by_every_reader(kv_server):
+    a, b = engine(), engine()
+    a.prefill(PROMPT)
+    taken = snapshot(a, "damaged", tier="host")
+    piece = a.capsules.resolve(taken.id).pieces[-1]
+    piece.chunk.data[piece.offset] ^= 0xFF   # a bit flip in host memory, after the digest was taken
+    tier(kv_server, "a").publish(a.capsules, taken.id)
+    live, listed = b.state_digest(), b.capsules.list()
+    error = _refused(ErrorCode.CORRUPT_CAPSULE, tier(kv_server, "b").pull, b.capsules, "damaged")
+    assert "does not match its digest" in str(error)
+    _untouched(b, live, listed)
+
+
 def test_a_capsule_of_another_model_or_layout_is_refused_with_fingerprint_mismatch(kv_server):
     _, _, taken = _published(kv_server)
     for other in (engine(seed=1), engine(max_seq_len=32)):

@@ -388,7 +388,9 @@ class CapsuleStore:
     def adopt(self, info: CapsuleInfo, log_runs: tuple, data: torch.Tensor, tier: str) -> CapsuleInfo:
         """A capsule made elsewhere, added to ``tier`` under its own id. ``data``: host uint8,
         ``layout.ranges(info.position)`` end to end, which the caller has checked against
-        ``info``'s digest and history hash. The name is kept unless a capsule here has it.
+        ``info``'s digest and history hash, and hands over: on the host tier without pinning
+        it becomes the capsule's own memory (no copy), so the caller must not change it after.
+        The name is kept unless a capsule here has it.
 
         The same capsule held already (its id and digest) is returned as it is; another one
         under its id is refused. BudgetExceeded or CapsuleIOError leave nothing behind."""
@@ -414,9 +416,15 @@ class CapsuleStore:
             if tier == "disk":
                 record = Record(info, [], log_runs, self._write_disk(info, ranges, data, log_runs))
             else:
-                chunk = self._allocate(tier, nbytes)
+                if tier == "host" and not self._pin_host:
+                    self._make_room("host", nbytes)
+                    chunk = Chunk.holding("host", data)
+                    self._used["host"] += nbytes
+                else:
+                    chunk = self._allocate(tier, nbytes)
                 try:
-                    chunk.data.copy_(data)
+                    if chunk.data is not data:
+                        chunk.data.copy_(data)
                     record = Record(info, laid_out(chunk, ranges), log_runs)
                 except BaseException:
                     self._free(chunk)
