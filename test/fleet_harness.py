@@ -24,10 +24,9 @@ def new_server(folder, args=()) -> KeyValueServer:
     return KeyValueServer(binary, folder, args)
 
 
-@pytest.fixture
-def kv_server(tmp_path) -> Iterator[KeyValueServer]:
-    """A running server, stopped after the test."""
-    server = new_server(tmp_path)
+def running_server(folder) -> Iterator[KeyValueServer]:
+    """A started server, stopped when the generator is closed (conftest's ``kv_server`` fixture)."""
+    server = new_server(folder)
     server.start()
     try:
         yield server

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleet_harness import chunk_keys, engine, kv_server, snapshot, tier  # noqa: F401
+from fleet_harness import chunk_keys, engine, snapshot, tier
 from flashrt_ros.capsule import CapsuleError
 
 PROMPT = list(range(3, 33))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet_harness import KEY, engine, kv_server, snapshot, tier  # noqa: F401
+from fleet_harness import KEY, engine, snapshot, tier
 from flashrt_ros.capsule import CapsuleError
 from flashrt_ros.capsule.fleet import FleetTier
 from flashrt_ros.errors import ErrorCode, InvalidArgument

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleet_harness import (OTHER_KEY, KeyValueServer, chunk_keys, engine, kv_server, new_server,  # noqa: F401
+from fleet_harness import (OTHER_KEY, KeyValueServer, chunk_keys, engine, new_server,
                            snapshot, tier)
 from flashrt_ros.capsule import CapsuleError
 from flashrt_ros.capsule.fleet_chunks import digest

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fleet_harness import KEY, chunk_keys, engine, kv_server, snapshot, tier  # noqa: F401
+from fleet_harness import KEY, chunk_keys, engine, snapshot, tier
 from flashrt_ros.capsule import CapsuleError, diskformat
 from flashrt_ros.capsule.fleet_chunks import chunking_for, wire_chunks
 from flashrt_ros.errors import ErrorCode
@@ -20,7 +20,7 @@ def test_a_published_capsule_pulled_by_another_engine_restores_byte_exact_and_ge
     a.prefill(PROMPT)
     taken = snapshot(a, "task")
     published = tier(kv_server, "a").publish(a.capsules, taken.id)
-    assert published.info.id == taken.id and published.info.tier == "fleet" and published.chunks_sent == published.chunks
+    assert (published.info.id, published.info.tier, published.chunks_sent) == (taken.id, "fleet", published.chunks)
     expected = a.generate(6)
 
     b.prefill([7, 7, 7])

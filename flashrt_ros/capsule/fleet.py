@@ -318,7 +318,8 @@ class FleetTier:
             with self._talking("pull"):
                 raw = self._client.get(self.keys.manifest(capsule_id))
             if raw is None:
-                raise UnknownCapsule(f"no fleet capsule {capsule_id}" + (f" (named {ref!r})" if ref != capsule_id else ""))
+                named = f" (named {ref!r})" if ref != capsule_id else ""
+                raise UnknownCapsule(f"no fleet capsule {capsule_id}{named}")
             manifest = fleet_manifest.decode(raw, self._key, store.layout, store.log_kinds, store.model_fingerprint,
                                              capsule_id)
             info = manifest.info
