@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from fleet_harness import KEY, chunk_keys, engine, snapshot, tier
+from fleet_harness import KEY, OTHER_KEY, chunk_keys, engine, snapshot, tier
 from flashrt_ros.capsule import CapsuleError, diskformat
+from flashrt_ros.capsule.fleet import FleetTier
 from flashrt_ros.capsule.fleet_chunks import chunking_for, wire_chunks
 from flashrt_ros.errors import ErrorCode
 
@@ -180,3 +181,23 @@ def test_the_manifest_names_every_chunk_of_the_cut_in_order(kv_server):
     published = tier(kv_server, "a").publish(a.capsules, taken.id)
     spans = wire_chunks(a.capsules.layout, taken.position, chunking_for(a.capsules.layout, 8, 16384))
     assert published.chunks == len(spans) and published.nbytes == sum(e - s for c in spans for s, e in c)
+
+
+def test_the_default_chunking_serves_an_engine_shorter_than_a_row_block(kv_server):
+    a, b = engine(), engine()
+    a.prefill(PROMPT)
+    taken = snapshot(a, "default")
+    fleet = FleetTier(kv_server.url, KEY, node="a")   # 256-row blocks, 4 MiB chunks; the engine has 64 rows
+    assert fleet.publish(a.capsules, taken.id).chunks == 2   # the fixed block, and one partial row block
+    b.restore(FleetTier(kv_server.url, KEY, node="b").pull(b.capsules, "default").id)
+    assert b.state_digest() == taken.digest
+
+
+def test_the_same_capsule_id_under_another_key_is_a_conflict_not_an_overwrite(kv_server):
+    a = engine()
+    a.prefill(PROMPT)
+    taken = snapshot(a)
+    tier(kv_server, "a").publish(a.capsules, taken.id)
+    with pytest.raises(CapsuleError) as refused:
+        tier(kv_server, "a", key=OTHER_KEY).publish(a.capsules, taken.id)
+    assert refused.value.code == ErrorCode.INVALID_ARGUMENT and "another manifest" in str(refused.value)

@@ -260,8 +260,8 @@ class FleetTier:
                     break
                 if word == "conflict":
                     raise InvalidCapsuleRequest(
-                        f"fleet capsule {info.id} is on the server already with other content (another chunking: "
-                        "keep chunk_bytes and chunk_rows equal across the fleet)")
+                        f"fleet capsule {info.id} is on the server already with another manifest (another chunking "
+                        "or another capsule key: keep chunk_bytes, chunk_rows and the key equal across the fleet)")
                 log.warning("fleet publish of %s: chunk %d was %s at the commit (attempt %d of %d); sending again",
                             info.id, index, "gone" if word == "missing" else "touched too long ago",
                             attempt + 1, PUBLISH_ATTEMPTS)

@@ -31,6 +31,7 @@ MIN_CHUNK_BYTES = 4096
 # Far under the server's value limit (proto-max-bulk-len, 512 MiB by default), and small enough
 # that one value is one short transfer, each bounded by the socket timeout.
 MAX_CHUNK_BYTES = 64 << 20
+MAX_CHUNK_ROWS = 1 << 20
 MAX_SECRET_BYTES = 4096
 
 
@@ -78,7 +79,7 @@ class FleetConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise InvalidCapsuleRequest(f"fleet {name} must be a number of seconds in (0, 1e6), got {value!r}")
         _check_int("chunk_bytes", self.chunk_bytes, MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
-        _check_int("chunk_rows", self.chunk_rows, 1, 1 << 20)
+        _check_int("chunk_rows", self.chunk_rows, 1, MAX_CHUNK_ROWS)
         _check_int("batch_bytes", self.batch_bytes, MIN_CHUNK_BYTES, 1 << 30)
         if not isinstance(self.username, str) or not isinstance(self.password_file, str):
             raise InvalidCapsuleRequest("fleet username and password_file are strings")

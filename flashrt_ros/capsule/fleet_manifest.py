@@ -27,7 +27,7 @@ from . import signing
 from .disk_capsules import header_for, info_from_header, log_from_header, merged, most_header_chars
 from .errors import CorruptCapsule, FingerprintMismatch, UntrustedCapsule
 from .fleet_chunks import DIGEST_CHARS, Chunking, Span, length, wire_chunks
-from .fleet_config import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from .fleet_config import MAX_CHUNK_BYTES, MAX_CHUNK_ROWS, MIN_CHUNK_BYTES
 from .info import CapsuleInfo, is_capsule_id
 from .layout import Layout
 
@@ -110,7 +110,7 @@ def decode(raw: bytes, key: bytes, layout: Layout, kinds: frozenset[str], model_
     if info.nbytes != layout.ranges_bytes(position):
         raise CorruptCapsule(f"{where}: {info.nbytes} bytes, a capsule at position {position} has "
                              f"{layout.ranges_bytes(position)}")
-    chunking = _chunking(body.get("chunking"), layout, where)
+    chunking = _chunking(body.get("chunking"), where)
     spans = wire_chunks(layout, position, chunking)
     digests = _chunk_list(body.get("chunks"), spans, where)
     return Manifest(info, log_runs, chunking, digests, spans)
@@ -120,10 +120,10 @@ def shown_field(header: dict, name: str) -> str:
     return repr(str(header.get(name))[:40])
 
 
-def _chunking(value: object, layout: Layout, where: str) -> Chunking:
+def _chunking(value: object, where: str) -> Chunking:
     if not isinstance(value, dict) or set(value) != {"rows", "bytes"} \
             or not all(type(v) is int for v in value.values()) \
-            or not 1 <= value["rows"] <= max(1, layout.max_position) \
+            or not 1 <= value["rows"] <= MAX_CHUNK_ROWS \
             or not MIN_CHUNK_BYTES <= value["bytes"] <= MAX_CHUNK_BYTES:
         raise CorruptCapsule(f"{where}: the manifest's chunking {str(value)[:80]} is out of range")
     return Chunking(value["rows"], value["bytes"])
