@@ -44,7 +44,9 @@ def _prefill(engine: Engine, upto: int) -> None:
         engine.prefill([(engine.position + i) * 7 % (vocab - 1) + 1 for i in range(n)])
 
 
-def run(url: str | None, prefixes: tuple[int, ...], rounds: int) -> dict:
+def run(url: str | None, prefixes: tuple[int, ...], rounds: int, lineage: int = LINEAGE, step: int = STEP,
+        model: ModelConfig | None = None) -> dict:
+    """The measurements (``model``: ``ModelConfig.bench()`` unless given)."""
     with tempfile.TemporaryDirectory() as folder:
         server = None
         if url is None:
@@ -56,20 +58,19 @@ def run(url: str | None, prefixes: tuple[int, ...], rounds: int) -> dict:
             server.start()
             url = server.url
         try:
-            return _measure(url, prefixes, rounds)
+            return _measure(url, prefixes, rounds, lineage, step, model or ModelConfig.bench())
         finally:
             if server is not None:
                 server.stop()
 
 
-def _measure(url: str, prefixes: tuple[int, ...], rounds: int) -> dict:
+def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, step: int, cfg: ModelConfig) -> dict:
     key = secrets.token_bytes(32)
     prefix = f"bench-{secrets.token_hex(4)}"
     fleet = FleetTier(url, key, prefix, node="bench-a")
     puller = FleetTier(url, key, prefix, node="bench-b")
     raw = fleet.config.connect()
-    cfg = ModelConfig.bench()
-    length = max(prefixes) + LINEAGE * STEP + 1
+    length = max(prefixes) + lineage * step + 1
     a = Engine.from_config(cfg, max_seq_len=length)
     b = Engine.from_config(cfg, max_seq_len=length)
     print(f"fleet tier vs raw SET/GET on one server ({url}); {machine()}")
@@ -135,11 +136,11 @@ def _measure(url: str, prefixes: tuple[int, ...], rounds: int) -> dict:
 
     wipe()
     sizes = 0
-    for _ in range(LINEAGE):
-        _prefill(a, a.position + STEP)
+    for _ in range(lineage):
+        _prefill(a, a.position + step)
         sizes += fleet.publish(a.capsules, a.snapshot(tier="host").id).nbytes
     stored = sum(raw.strlen(k) for k in raw.scan_iter(match=f"{prefix}:chunk:*", count=1000))
-    print(f"lineage of {LINEAGE} snapshots {STEP} tokens apart from {max(prefixes)} tokens: {stored / MiB:.1f} MiB "
+    print(f"lineage of {lineage} snapshots {step} tokens apart from {max(prefixes)} tokens: {stored / MiB:.1f} MiB "
           f"on the server for {sizes / MiB:.1f} MiB of capsules ({stored / sizes:.2f})")
     wipe()
     a.close()
