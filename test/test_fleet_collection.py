@@ -12,6 +12,7 @@ import pytest
 
 from fleet_harness import chunk_keys, engine, snapshot, tier
 from flashrt_ros.capsule import CapsuleError
+from flashrt_ros.errors import ErrorCode
 
 PROMPT = list(range(3, 33))
 GRACE = 0.3
@@ -146,7 +147,8 @@ def test_publishers_and_collectors_at_once_never_leave_a_manifest_without_its_ch
         t.join(120)
     stop.set()
     collector.join(60)
-    assert published and len(failures) <= len(published)
+    # A publish stalled past its grace three times gives up, refused whole; nothing else fails.
+    assert published and all(f.code == ErrorCode.IO_ERROR for f in failures), failures
     client = kv_server.client()
     listed = tier(kv_server, "reader").list()
     assert {c.info.id for c in listed} == set(published) - set(dropped)

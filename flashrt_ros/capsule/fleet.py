@@ -267,8 +267,9 @@ class FleetTier:
                             attempt + 1, PUBLISH_ATTEMPTS)
             else:
                 if word == "missing":
-                    raise BudgetExceeded(f"fleet tier: the server dropped chunks of capsule {info.id} as fast as they "
-                                         f"were sent ({PUBLISH_ATTEMPTS} attempts): is it evicting under maxmemory?")
+                    raise CapsuleIOError(f"fleet tier: chunks of capsule {info.id} vanished between touch and commit "
+                                         f"{PUBLISH_ATTEMPTS} times (evicted under maxmemory, or collected by a "
+                                         "collector whose grace_s is shorter than this publisher's?)")
                 raise CapsuleIOError(f"fleet tier: publishing capsule {info.id} took longer than grace_s "
                                      f"({self.config.grace_s} s) {PUBLISH_ATTEMPTS} times; raise grace_s")
         except CapsuleError:
