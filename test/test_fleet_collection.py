@@ -39,11 +39,12 @@ def test_collection_removes_only_unnamed_chunks_older_than_the_grace(kv_server):
     kept = chunk_keys(kv_server)
     orphans = _orphans(kv_server, a, grace_s=GRACE, batch_bytes=40000)
     assert orphans and len(kept) == named.chunks
-    collector = tier(kv_server, "collector", grace_s=GRACE)
-    fresh = collector.collect()   # the orphans are younger than the grace: kept
+    # A collector whose grace the orphans are younger than keeps them (a grace far longer than
+    # this test: the other way round it would assume how fast the machine runs).
+    fresh = tier(kv_server, "patient", grace_s=60.0).collect()
     assert fresh.chunks_deleted == 0 and chunk_keys(kv_server) == kept | orphans
     time.sleep(GRACE + 0.2)
-    done = collector.collect()
+    done = tier(kv_server, "collector", grace_s=GRACE).collect()
     assert done.chunks_deleted == len(orphans) and done.bytes_freed > 0 and done.manifests == 1
     assert chunk_keys(kv_server) == kept
     b = engine()
@@ -87,15 +88,16 @@ def test_a_publish_slower_than_the_grace_loses_its_chunks_to_a_collection_and_se
     a = engine()
     a.prefill(PROMPT)
     taken = snapshot(a, "slow")
-    collector = tier(kv_server, "collector", grace_s=GRACE)
+    grace = 1.0   # the publish again, after the stall, must finish within it
+    collector = tier(kv_server, "collector", grace_s=grace)
     deleted = []
 
     def stall_once(sent: int, total: int) -> None:
         if not deleted:
-            time.sleep(GRACE + 0.2)   # the chunks touched so far are older than the grace now
+            time.sleep(grace + 0.2)   # the chunks touched so far are older than the grace now
             deleted.append(collector.collect().chunks_deleted)
 
-    published = tier(kv_server, "a", grace_s=GRACE, batch_bytes=16384).publish(a.capsules, taken.id,
+    published = tier(kv_server, "a", grace_s=grace, batch_bytes=16384).publish(a.capsules, taken.id,
                                                                               progress=stall_once)
     assert deleted[0] > 0 and "sending again" in caplog.text
     assert published.chunks_sent == published.chunks + deleted[0]
