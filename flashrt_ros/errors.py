@@ -22,6 +22,8 @@ class ErrorCode(IntEnum):
     PREEMPTED = 10
     UNTRUSTED_CAPSULE = 11
     CONTEXT_FULL = 12
+    FLEET_UNAVAILABLE = 13
+    INCOMPLETE_CAPSULE = 14
 
 
 def shown(value: object, limit: int = 80) -> str:

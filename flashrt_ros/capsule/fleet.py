@@ -1,0 +1,531 @@
+"""The fleet tier: capsules on a Valkey or Redis server a fleet already runs, shared by
+robots and servers, content-addressed and signed.
+
+``FleetTier(url, key, prefix)`` publishes a capsule of a local store (``publish``), pulls one
+into a local tier (``pull``: verified whole before the store sees a byte, then served locally),
+lists them (``list``), holds or drops this node's reference (``hold``, ``drop``), and collects
+the chunks no manifest names (``collect``). It never touches an engine's live state: a restore
+or fork from a pulled capsule goes through the engine as for any local capsule.
+
+What is on the server, and why it is safe while other nodes publish, pull and collect:
+``fleet_config.FleetKeys`` (the keys), ``fleet_chunks`` (the cut), ``fleet_manifest`` (the
+signed manifest), ``fleet_scripts`` (the atomic steps and their invariants); docs/fleet.md.
+
+Publish: the capsule's bytes are copied out of the store (``CapsuleStore.export``) and checked
+against its digest; its chunks are touched (marked in use now), the missing ones sent with SET
+NX in pipelined batches, and the manifest written last by a script that writes it only if
+every chunk is there and freshly touched. A publish that dies half-way leaves chunks no
+manifest names, which expire or are collected; never a manifest without its chunks.
+
+Pull: the manifest is read and checked (signature, fingerprints, every header field, the
+cut), the chunks fetched in pipelined batches into memory this process allocates, each
+checked against its digest, then the whole against the capsule digest and history hash; only
+then does the store take the bytes (``CapsuleStore.adopt``). Anything missing or altered is
+refused whole.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import redis
+import torch
+
+from ..digest import history_digest, state_digest
+from ..errors import shown
+from . import fleet_manifest, signing
+from .disk_capsules import range_reader
+from .errors import (BudgetExceeded, CapsuleError, CapsuleIOError, CorruptCapsule, FleetUnavailable,
+                     IncompleteCapsule, InvalidCapsuleRequest, UnknownCapsule)
+from .fleet_chunks import Span, chunk_bytes, chunking_for, digest, length, place, wire_chunks
+from .fleet_config import FleetConfig, FleetKeys
+from .fleet_scripts import Scripts, outcome
+from .info import CapsuleInfo, check_name, check_tier, is_capsule_id
+from .store import CapsuleStore
+
+log = logging.getLogger(__name__)
+
+# A publish whose chunks vanish between its touch and its commit (evicted under maxmemory, or
+# collected after a publish slower than the grace) touches and sends again, this many times.
+PUBLISH_ATTEMPTS = 3
+_COLLECT_BATCH = 256   # chunks per collecting script: each is atomic, so it blocks the server briefly
+_SCAN_COUNT = 500
+
+
+class FleetCapsule(NamedTuple):
+    """A capsule in the fleet tier as ``list`` shows it. ``info``: tier "fleet", its name
+    the first of ``names`` (the names pointing at it) or "". ``expires_in_s``: None while a
+    holder keeps it until dropped."""
+
+    info: CapsuleInfo
+    names: tuple[str, ...]
+    holders: tuple[str, ...]
+    expires_in_s: float | None
+    chunks: int
+
+
+class Published(NamedTuple):
+    """What a publish did: the capsule (tier "fleet"), its chunks and bytes, how many of them
+    this call sent (the others were on the server already), and how long it took."""
+
+    info: CapsuleInfo
+    chunks: int
+    nbytes: int
+    chunks_sent: int
+    bytes_sent: int
+    seconds: float
+
+
+class Collected(NamedTuple):
+    """What a collection did: chunks deleted and their bytes; manifests read, chunks they name;
+    manifests it could not read (while there are any, it deletes nothing)."""
+
+    chunks_deleted: int
+    bytes_freed: int
+    manifests: int
+    chunks_named: int
+    unreadable: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class FleetStats:
+    """Counters for diagnostics (a copy: ``FleetTier.stats()``)."""
+
+    published: int = 0
+    pulled: int = 0
+    served_locally: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    failures: int = 0
+    last_latency_s: float = 0.0
+    last_error: str = ""
+
+
+class _Deadline:
+    """The time an operation may take in all (None: bounded only by each exchange's timeout)."""
+
+    __slots__ = ("what", "limit", "end")
+
+    def __init__(self, what: str, seconds: float | None) -> None:
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not seconds > 0):
+            raise InvalidCapsuleRequest(f"deadline_s must be a number of seconds > 0, got {seconds!r}")
+        self.what, self.limit = what, seconds
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def check(self) -> None:
+        if self.end is not None and time.monotonic() > self.end:
+            raise FleetUnavailable(f"fleet tier: {self.what} did not finish within its deadline of {self.limit} s")
+
+
+class FleetTier:
+    """Capsules on one Valkey or Redis server, under one key prefix, signed with ``key``.
+
+    ``options``: the other fields of ``FleetConfig`` (password_file, username, timeout_s,
+    connect_timeout_s, chunk_bytes, chunk_rows, grace_s, node, batch_bytes). Nothing connects
+    here: the first call does, so a node can start while the server is down. Thread-safe."""
+
+    def __init__(self, url: str, key: bytes | None, prefix: str = "flashrt", **options: Any) -> None:
+        if not isinstance(key, bytes) or not signing.MIN_KEY_BYTES <= len(key) <= signing.MAX_KEY_BYTES:
+            raise InvalidCapsuleRequest(
+                "the fleet tier requires a capsule key (capsule_key_file) of "
+                f"{signing.MIN_KEY_BYTES} to {signing.MAX_KEY_BYTES} bytes: nothing unsigned is published or loaded")
+        try:
+            self.config = FleetConfig(url=url, prefix=prefix, **options)
+        except TypeError as exc:   # an unknown option
+            raise InvalidCapsuleRequest(f"fleet tier: {exc}") from None
+        self._key = key
+        self.keys = FleetKeys(prefix)
+        self._client = self.config.connect()
+        self._scripts = Scripts(self._client)
+        self._stats = FleetStats()
+        self._stats_lock = threading.Lock()
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def ping(self) -> float:
+        """The round trip to the server, in seconds (FleetUnavailable if there is none)."""
+        with self._talking("ping"):
+            start = time.monotonic()
+            self._client.ping()
+            latency = time.monotonic() - start
+        self._count(last_latency_s=latency)
+        return latency
+
+    def stats(self) -> FleetStats:
+        with self._stats_lock:
+            return replace(self._stats)
+
+    def close(self) -> None:
+        """Close the connections (a later call opens new ones)."""
+        self._client.close()
+
+    def resolve(self, ref: str) -> str:
+        """The capsule id ``ref`` names on the server: an id as it is, a name through its
+        signed entry (UnknownCapsule if no name entry, UntrustedCapsule if not signed with the key)."""
+        if is_capsule_id(ref):
+            return ref
+        if not isinstance(ref, str) or not ref:
+            raise InvalidCapsuleRequest(f"a fleet capsule is named by a non-empty id or name, got {shown(ref)}")
+        name = check_name(ref)
+        with self._talking("resolve a name"):
+            value = self._client.get(self.keys.name(name))
+        if value is None:
+            raise UnknownCapsule(f"no fleet capsule is named {name!r}")
+        return fleet_manifest.name_target(self._key, name, value)
+
+    def list(self) -> list[FleetCapsule]:
+        """The fleet capsules signed with this tier's key, oldest first (others are skipped
+        and logged), whatever their model: ``info`` carries the fingerprints to compare."""
+        with self._talking("list"):
+            manifest_keys = list(self._client.scan_iter(match=self.keys.pattern("manifest"), count=_SCAN_COUNT))
+            ids = [k.decode().rpartition(":")[2] for k in manifest_keys]
+            pipe = self._client.pipeline(transaction=False)
+            for capsule_id in ids:
+                pipe.get(self.keys.manifest(capsule_id))
+                pipe.zrange(self.keys.holders(capsule_id), 0, -1, withscores=True)
+                pipe.pttl(self.keys.manifest(capsule_id))
+            answers = pipe.execute() if ids else []
+            names = self._names()
+        out = []
+        for i, capsule_id in enumerate(ids):
+            raw, holders, ttl = answers[3 * i:3 * i + 3]
+            if raw is None:   # expired or dropped between the scan and the read
+                continue
+            try:
+                info, digests = fleet_manifest.read_signed(raw, self._key, capsule_id)
+            except CapsuleError as exc:
+                log.warning("fleet capsule %s skipped in the list: %s", capsule_id, exc)
+                continue
+            own = tuple(sorted(n for n, target in names.items() if target == capsule_id))
+            out.append(FleetCapsule(info._replace(name=own[0] if own else ""), own,
+                                    tuple(h.decode() for h, _ in holders), None if ttl < 0 else ttl / 1000.0,
+                                    len(digests)))
+        out.sort(key=lambda c: c.info.created)
+        return out
+
+    # ---- publish ---------------------------------------------------------------------------------
+    def publish(self, store: CapsuleStore, ref: str | CapsuleInfo, name: str | None = None,
+                ttl_s: float | None = None, *, deadline_s: float | None = None,
+                progress: Callable[[int, int], None] | None = None) -> Published:
+        """Publish the store's capsule ``ref`` (from whichever tier holds it) under its id,
+        with this node's reference on it for ``ttl_s`` seconds (None: until dropped).
+
+        ``name``: a name to point at it (None: the capsule's own name, if it has one; "": none).
+        A name is a tag: publishing another capsule under it moves it. ``progress(sent, total)``
+        is called after each batch of chunks sent. Publishing a capsule again renews this
+        node's reference and sends only what the server lost."""
+        lease = _lease_ms(ttl_s)
+        if name:
+            check_name(name)
+        deadline = _Deadline("publish", deadline_s)
+        started = time.monotonic()
+        info, log_runs, data = store.export(ref)
+        if name is None:
+            name = info.name
+        layout = store.layout
+        # The bytes are not hashed again here: every reader checks them against the capsule
+        # digest the manifest carries, so a capsule damaged in this store is refused, not restored.
+        if not info.digest:
+            raise CorruptCapsule(f"capsule {info.id} has no digest (its hash failed); not published")
+        chunking = chunking_for(layout, self.config.chunk_rows, self.config.chunk_bytes)
+        array = data.numpy()
+        values = [chunk_bytes(array, spans) for spans in wire_chunks(layout, info.position, chunking)]
+        digests = [digest(v) for v in values]
+        manifest = fleet_manifest.encode(info, log_runs, layout, chunking, digests, self._key)
+        unique = dict(zip(digests, values))   # a chunk repeated inside the capsule is sent once
+        sent = sent_bytes = 0
+        try:
+            for attempt in range(PUBLISH_ATTEMPTS):
+                with self._talking("publish"):
+                    touched = self._scripts.touch(keys=[self.keys.touched, *map(self.keys.chunk, unique)],
+                                                  args=[2 * self._grace_ms(), *unique])
+                    self._check(outcome(touched[:2])[0])
+                    missing = [d for d, here in zip(unique, touched[2:]) if not here]
+                    n, b = self._send(missing, unique, deadline, progress, len(unique))
+                    sent, sent_bytes = sent + n, sent_bytes + b
+                    deadline.check()
+                    word, index = outcome(self._scripts.commit(
+                        keys=[self.keys.manifest(info.id), self.keys.holders(info.id), self.keys.names_of(info.id),
+                              self.keys.touched, self.keys.name(name) if name else self.keys.manifest(info.id),
+                              *map(self.keys.chunk, digests)],
+                        args=[manifest, self.config.node, lease, self._grace_ms(), name or "",
+                              fleet_manifest.name_value(self._key, name, info.id) if name else "",
+                              self.keys.name_prefix, info.id, *digests]))
+                self._check(word)
+                if word == "ok":
+                    break
+                if word == "conflict":
+                    raise InvalidCapsuleRequest(
+                        f"fleet capsule {info.id} is on the server already with another manifest (another chunking "
+                        "or another capsule key: keep chunk_bytes, chunk_rows and the key equal across the fleet)")
+                log.warning("fleet publish of %s: chunk %d was %s at the commit (attempt %d of %d); sending again",
+                            info.id, index, "gone" if word == "missing" else "touched too long ago",
+                            attempt + 1, PUBLISH_ATTEMPTS)
+            else:
+                if word == "missing":
+                    raise CapsuleIOError(f"fleet tier: chunks of capsule {info.id} vanished between touch and commit "
+                                         f"{PUBLISH_ATTEMPTS} times (evicted under maxmemory, or collected by a "
+                                         "collector whose grace_s is shorter than this publisher's?)")
+                raise CapsuleIOError(f"fleet tier: publishing capsule {info.id} took longer than grace_s "
+                                     f"({self.config.grace_s} s) {PUBLISH_ATTEMPTS} times; raise grace_s")
+        except CapsuleError:
+            self._count(failures=1)
+            raise
+        seconds = time.monotonic() - started
+        self._count(published=1, bytes_sent=sent_bytes)
+        whole = info._replace(tier="fleet", name=name or "", pinned=False, nbytes=layout.ranges_bytes(info.position))
+        return Published(whole, len(digests), whole.nbytes, sent, sent_bytes, seconds)
+
+    def _send(self, missing: Sequence[str], values: dict[str, bytes | memoryview], deadline: _Deadline,
+              progress: Callable[[int, int], None] | None, total: int) -> tuple[int, int]:
+        """SET NX the chunks ``missing``, pipelined in batches of about ``batch_bytes``:
+        (chunks, bytes) this call wrote (a concurrent publisher may have written some first)."""
+        written = written_bytes = done = 0
+        ttl = 2 * self._grace_ms()   # a chunk no manifest comes to name expires on its own
+        for batch in _batches(missing, lambda d: len(values[d]), self.config.batch_bytes):
+            deadline.check()
+            pipe = self._client.pipeline(transaction=False)
+            for d in batch:
+                pipe.set(self.keys.chunk(d), values[d], nx=True, px=ttl)
+            for d, created in zip(batch, pipe.execute()):
+                if created:
+                    written += 1
+                    written_bytes += len(values[d])
+            done += len(batch)
+            if progress is not None:
+                progress(total - len(missing) + done, total)
+        return written, written_bytes
+
+    # ---- pull ------------------------------------------------------------------------------------
+    def pull(self, store: CapsuleStore, ref: str, tier: str = "host", *,
+             deadline_s: float | None = None) -> CapsuleInfo:
+        """The fleet capsule ``ref`` (an id or a name) as a capsule of ``store`` in ``tier``,
+        its id the same. One the store holds already is returned at once (by id without a call
+        to the server; a name is resolved first, since a name may move). Refused whole, with
+        nothing added: UnknownCapsule, UntrustedCapsule, FingerprintMismatch, CorruptCapsule,
+        IncompleteCapsule (a chunk is gone), BudgetExceeded (no room here), FleetUnavailable."""
+        check_tier(tier)
+        deadline = _Deadline("pull", deadline_s)
+        try:
+            capsule_id = self.resolve(ref)
+            local = store.kept(capsule_id)
+            if local is not None:
+                self._count(served_locally=1)
+                return store.get(capsule_id)
+            with self._talking("pull"):
+                raw = self._client.get(self.keys.manifest(capsule_id))
+            if raw is None:
+                named = f" (named {ref!r})" if ref != capsule_id else ""
+                raise UnknownCapsule(f"no fleet capsule {capsule_id}{named}")
+            manifest = fleet_manifest.decode(raw, self._key, store.layout, store.log_kinds, store.model_fingerprint,
+                                             capsule_id)
+            info = manifest.info
+            store.check_room(tier, info.nbytes)
+            data = torch.empty(info.nbytes, dtype=torch.uint8)   # this process's memory, not the client's buffers
+            received = self._fetch(manifest, data.numpy(), deadline)
+            ranges = store.layout.ranges(info.position)
+            read = range_reader(ranges, data)
+            if state_digest(ranges, read) != info.digest:
+                raise CorruptCapsule(f"fleet capsule {capsule_id}: its chunks verify, but the capsule they make does "
+                                     "not match its digest")
+            if history_digest(store.layout.regions, info.position, read) != info.history_hash:
+                raise CorruptCapsule(f"fleet capsule {capsule_id}: does not match its history hash")
+            name = ref if ref != capsule_id else ""
+            pulled = store.adopt(info._replace(name=name), manifest.log, data, tier)
+        except CapsuleError:
+            self._count(failures=1)
+            raise
+        self._count(pulled=1, bytes_received=received)
+        return pulled
+
+    def _fetch(self, manifest: fleet_manifest.Manifest, out: Any, deadline: _Deadline) -> int:
+        """Every chunk of the manifest into ``out``, checked against its name: bytes received."""
+        where: dict[str, list[list[Span]]] = {}
+        for d, spans in zip(manifest.digests, manifest.spans):
+            where.setdefault(d, []).append(spans)
+        first = {d: i for i, d in reversed(list(enumerate(manifest.digests)))}
+        received = 0
+        capsule_id = manifest.info.id
+        for batch in _batches(list(where), lambda d: length(where[d][0]), self.config.batch_bytes):
+            deadline.check()
+            with self._talking("pull"):
+                pipe = self._client.pipeline(transaction=False)
+                for d in batch:
+                    pipe.get(self.keys.chunk(d))
+                values = pipe.execute()
+            for d, value in zip(batch, values):
+                index = first[d]
+                if value is None:
+                    raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone from the "
+                                            "server (evicted or collected); publish the capsule again")
+                expected = length(where[d][0])
+                if len(value) != expected or digest(value) != d:
+                    raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match its "
+                                         f"digest ({len(value)} bytes, {expected} expected)")
+                for spans in where[d]:
+                    place(out, spans, value)
+                received += len(value)
+        return received
+
+    # ---- references ------------------------------------------------------------------------------
+    def hold(self, ref: str, ttl_s: float | None = None) -> None:
+        """Take or renew this node's reference on a fleet capsule for ``ttl_s`` seconds (None:
+        until dropped); its chunks are kept at least as long. IncompleteCapsule if a chunk is gone."""
+        lease = _lease_ms(ttl_s)
+        capsule_id = self.resolve(ref)
+        with self._talking("hold"):
+            raw = self._client.get(self.keys.manifest(capsule_id))
+        if raw is None:
+            raise UnknownCapsule(f"no fleet capsule {capsule_id}")
+        _, digests = fleet_manifest.read_signed(raw, self._key, capsule_id)
+        with self._talking("hold"):
+            word, index = outcome(self._scripts.hold(
+                keys=[self.keys.manifest(capsule_id), self.keys.holders(capsule_id), self.keys.names_of(capsule_id),
+                      *map(self.keys.chunk, digests)],
+                args=[self.config.node, lease, self._grace_ms(), self.keys.name_prefix, capsule_id]))
+        self._check(word)
+        if word == "unknown":
+            raise UnknownCapsule(f"no fleet capsule {capsule_id}")
+        if word == "missing":
+            raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index - 1} is gone from the server")
+
+    def drop(self, ref: str) -> bool:
+        """Remove this node's reference on a fleet capsule. True: it was the last one, and
+        the capsule's manifest and names are gone (its chunks go at the next ``collect``, or
+        when they expire); False: other nodes still hold it. UnknownCapsule if this node
+        holds no reference on it."""
+        capsule_id = self.resolve(ref)
+        with self._talking("drop"):
+            word, others = outcome(self._scripts.drop(
+                keys=[self.keys.manifest(capsule_id), self.keys.holders(capsule_id), self.keys.names_of(capsule_id)],
+                args=[self.config.node, self.keys.name_prefix, capsule_id]))
+        self._check(word)
+        if word == "unknown":
+            raise UnknownCapsule(f"no fleet capsule {capsule_id}")
+        if word == "not_held":
+            raise UnknownCapsule(f"fleet capsule {capsule_id} holds no reference of node {self.config.node!r}")
+        return word == "gone"
+
+    # ---- collection ------------------------------------------------------------------------------
+    def collect(self) -> Collected:
+        """Delete the chunks that no manifest names and that no publisher touched within the
+        grace period. Safe while other nodes publish (``fleet_scripts``, invariants 1-2): the
+        cutoff is taken from the server's clock before the manifests are read, and each
+        chunk's touch time is checked again in the step that deletes it."""
+        with self._talking("collect"):
+            sec, usec = self._client.time()
+            cutoff = sec * 1000 + usec // 1000 - self._grace_ms()
+            named: set[str] = set()
+            unreadable: list[str] = []
+            manifests = 0
+            keys = list(self._client.scan_iter(match=self.keys.pattern("manifest"), count=_SCAN_COUNT))
+            for batch in _batches(keys, lambda _: 1, _SCAN_COUNT):
+                for key, raw in zip(batch, self._client.mget(batch)):
+                    if raw is None:
+                        continue
+                    manifests += 1
+                    found = fleet_manifest.chunk_digests(raw)
+                    if found is None:
+                        unreadable.append(key.decode())
+                    else:
+                        named.update(found)
+            if unreadable:
+                # A manifest of another version may name chunks in a way this one cannot read.
+                log.warning("fleet collect deletes nothing: %d manifests cannot be read (%s)", len(unreadable),
+                            ", ".join(unreadable[:3]))
+                return Collected(0, 0, manifests, len(named), tuple(unreadable))
+            candidates = [m.decode() for m, score in self._client.zscan_iter(self.keys.touched, count=_SCAN_COUNT)
+                          if score < cutoff and m.decode() not in named]
+            deleted = freed = 0
+            for batch in _batches(candidates, lambda _: 1, _COLLECT_BATCH):
+                n, b = self._scripts.collect(keys=[self.keys.touched, *map(self.keys.chunk, batch)],
+                                             args=[cutoff, *batch])
+                deleted, freed = deleted + int(n), freed + int(b)
+        return Collected(deleted, freed, manifests, len(named), ())
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _names(self) -> dict[str, str]:
+        """Every name under the prefix whose entry is signed with the key -> the id it points at."""
+        keys = list(self._client.scan_iter(match=self.keys.pattern("name"), count=_SCAN_COUNT))
+        names: dict[str, str] = {}
+        for batch in _batches(keys, lambda _: 1, _SCAN_COUNT):
+            for key, value in zip(batch, self._client.mget(batch)):
+                name = key.decode()[len(self.keys.name_prefix):]
+                if value is None:
+                    continue
+                try:
+                    names[name] = fleet_manifest.name_target(self._key, name, value)
+                except CapsuleError as exc:
+                    log.warning("fleet name %r skipped: %s", name, exc)
+        return names
+
+    def _check(self, word: str) -> None:
+        """A script's refusal to write over a key of another type (nothing was written)."""
+        if word == "wrongtype":
+            self._count(failures=1)
+            raise CapsuleIOError(f"fleet tier: a key under prefix {self.config.prefix!r} holds another type than "
+                                 "this tier writes there: is another application using the prefix?")
+
+    def _grace_ms(self) -> int:
+        return int(self.config.grace_s * 1000)
+
+    def _count(self, **changes: Any) -> None:
+        with self._stats_lock:
+            for name, value in changes.items():
+                if name in ("last_latency_s", "last_error"):
+                    setattr(self._stats, name, value)
+                else:
+                    setattr(self._stats, name, getattr(self._stats, name) + value)
+
+    @contextmanager
+    def _talking(self, what: str) -> Iterator[None]:
+        """Server and client failures as this package's errors, each with its code."""
+        try:
+            yield
+        except redis.exceptions.RedisError as exc:
+            error = self._error(what, exc)
+            self._count(last_error=str(error))
+            raise error from None
+
+    def _error(self, what: str, exc: redis.exceptions.RedisError) -> CapsuleError:
+        where = f"fleet tier ({self.config.url}, prefix {self.config.prefix!r}): {what}"
+        text = str(exc)[:300]
+        if isinstance(exc, redis.exceptions.TimeoutError):
+            return FleetUnavailable(f"{where}: the server did not answer within {self.config.timeout_s} s ({text})")
+        if isinstance(exc, redis.exceptions.AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text:
+            return FleetUnavailable(f"{where}: the server refused this client's credentials ({text})")
+        if isinstance(exc, redis.exceptions.ConnectionError):
+            return FleetUnavailable(f"{where}: cannot reach the server ({text})")
+        if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in text:
+            return FleetUnavailable(f"{where}: the server's ACL refuses this user a command or key ({text})")
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) or "maxmemory" in text:
+            return BudgetExceeded(f"{where}: the server is out of memory (maxmemory) and refused the write ({text})")
+        return CapsuleIOError(f"{where}: the server answered an error ({text})")
+
+
+def _lease_ms(ttl_s: float | None) -> str:
+    """A lease as the scripts take it: ms, or 'inf' (until dropped)."""
+    if ttl_s is None:
+        return "inf"
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0.001 <= ttl_s <= 1e9:
+        raise InvalidCapsuleRequest(f"ttl_s must be None (until dropped) or seconds in [0.001, 1e9], got {ttl_s!r}")
+    return str(int(ttl_s * 1000))
+
+
+def _batches(items: Sequence, size: Callable[[Any], int], most: int) -> Iterator[list]:
+    """``items`` in order, in batches whose sizes add up to at most ``most`` (one item at the least)."""
+    batch: list = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if batch and total + n > most:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += n
+    if batch:
+        yield batch
