@@ -23,21 +23,24 @@ PREFIX = _prefix()
 EXECUTABLES = PREFIX / "lib" / "flashrt_ros"
 
 
-def start_node(log: IO[str], *params: str) -> subprocess.Popen:
+def start_node(log: IO[str], *params: str, namespace: str = "") -> subprocess.Popen:
     """The installed flashrt_node in a process of its own, with config/flashrt.yaml, autostart
-    and ``params`` (``name:=value``), its output to ``log``."""
+    and ``params`` (``name:=value``), its output to ``log``; in ``namespace`` if given."""
     args = [str(EXECUTABLES / "flashrt_node"), "--ros-args", "--params-file", str(ROOT / "config" / "flashrt.yaml"),
             "-p", "autostart:=true"]
+    if namespace:
+        args += ["-r", f"__ns:={namespace}"]
     for param in params:
         args += ["-p", param]
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
 
 class NodeClient:
-    """A client node of its own in this process, for the installed node serving in another:
-    the capsule services named, the generate action, and an executor spinning them."""
+    """A client node of its own in this process, for the installed node serving in another
+    (``node``: its full name): the capsule services named, the generate action, and an executor
+    spinning them."""
 
-    def __init__(self, name: str, services: dict[str, Any]) -> None:
+    def __init__(self, name: str, services: dict[str, Any], node: str = "/flashrt") -> None:
         import rclpy
         from rclpy.action import ActionClient
         from rclpy.context import Context
@@ -53,8 +56,8 @@ class NodeClient:
         self.services = services
         # Every client before the spin thread: Kilted's rclpy registers an ActionClient with its
         # node before the client has its lock, which an executor spinning the node can trip on.
-        self.clients = {k: self.node.create_client(t, f"/flashrt/{k}") for k, t in services.items()}
-        self.actions = ActionClient(self.node, Generate, "/flashrt/generate")
+        self.clients = {k: self.node.create_client(t, f"{node}/{k}") for k, t in services.items()}
+        self.actions = ActionClient(self.node, Generate, f"{node}/generate")
         threading.Thread(target=self.executor.spin, daemon=True).start()
 
     def call(self, service: str, **fields: Any) -> Any:

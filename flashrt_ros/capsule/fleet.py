@@ -301,10 +301,10 @@ class FleetTier:
         return written, written_bytes
 
     # ---- pull ------------------------------------------------------------------------------------
-    def pull(self, store: CapsuleStore, ref: str, tier: str = "host", *,
+    def pull(self, store: CapsuleStore, ref: str, tier: str = "host", *, name: str | None = None,
              deadline_s: float | None = None) -> CapsuleInfo:
         """The fleet capsule ``ref`` (an id or a name) as a capsule of ``store`` in ``tier``,
-        its id the same. One the store holds already is returned at once (by id without a call
+        its id the same, named ``name`` there (None: ``ref`` when it is a name). One the store holds already is returned at once (by id without a call
         to the server; a name is resolved first, since a name may move). Refused whole, with
         nothing added: UnknownCapsule, UntrustedCapsule, FingerprintMismatch, CorruptCapsule,
         IncompleteCapsule (a chunk is gone), BudgetExceeded (no room here), FleetUnavailable."""
@@ -334,7 +334,8 @@ class FleetTier:
                                      "not match its digest")
             if history_digest(store.layout.regions, info.position, read) != info.history_hash:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: does not match its history hash")
-            name = ref if ref != capsule_id else ""
+            if name is None:
+                name = ref if ref != capsule_id else ""
             pulled = store.adopt(info._replace(name=name), manifest.log, data, tier)
         except CapsuleError:
             self._count(failures=1)

@@ -35,9 +35,10 @@ MAX_CHUNK_ROWS = 1 << 20
 MAX_SECRET_BYTES = 4096
 
 
-def _default_node() -> str:
-    """This machine's name, cut to a node id's form: the holder of the references it makes."""
-    name = re.sub(r"[^A-Za-z0-9_.:@/-]", "-", socket.gethostname())[:128]
+def node_id(within: str = "") -> str:
+    """This machine's name and ``within`` (a process's own name on it, such as a ROS node's),
+    cut to a node id's form: the holder of the references a client makes."""
+    name = re.sub(r"[^A-Za-z0-9_.:@/-]", "-", socket.gethostname() + within)[:128]
     return name or "node"
 
 
@@ -63,7 +64,7 @@ class FleetConfig:
     chunk_bytes: int = 4 << 20
     chunk_rows: int = 256
     grace_s: float = 600.0
-    node: str = field(default_factory=_default_node)
+    node: str = field(default_factory=node_id)
     batch_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:

@@ -22,7 +22,8 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from ..errors import InvalidArgument
 from ..serving.record import SessionRecord
-from ..serving.journal import DECODE, DROP, FORK, KINDS, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry, Journal
+from ..serving.journal import (DECODE, DROP, FORK, KINDS, PREFILL, PULL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry,
+                               Journal)
 from .types import deserialize, schema_text, type_hash, typestore
 
 SESSION_TOPIC = "/flashrt/journal/session"
@@ -34,7 +35,8 @@ ENTRY_TYPE = "flashrt_ros/msg/JournalEntry"
 _REQUEST = {PREFILL: ("token_ids", "prompt"), DECODE: (), STEP: ("observation",),
             SNAPSHOT: ("name", "tier", "pin", "request_id", "requested_tier", "lease_s"),
             FORK: ("source_id", "name", "tier", "lease_s"), RESTORE: ("capsule_id", "verify"),
-            ROLLBACK: ("steps", "to_position"), DROP: ("capsule_id",), SPILL: ("spill",)}
+            ROLLBACK: ("steps", "to_position"), DROP: ("capsule_id",), SPILL: ("spill",),
+            PULL: ("capsule_id", "name", "tier")}
 _REQUEST_FIELDS = {"token_ids", "prompt", "temperature", "seed", "observation", "name", "tier", "requested_tier",
                    "pin", "request_id", "lease_s", "source_id", "capsule_id", "verify", "steps", "to_position", "spill"}
 _OUTCOME_FIELDS = {"error_code", "position", "token", "margin", "action", "capsule_id", "state_digest"}

@@ -34,6 +34,7 @@ import argparse
 import os
 import platform
 import sys
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
             raise ValueError(f"the session records torch_threads={threads!r}, not an int >= 1")
         torch.set_num_threads(threads)   # see session_of: the split of elementwise work must be the recorded one
         key = signing.load_key(args.capsule_key_file) if args.capsule_key_file else None
+        fleet = fleet_of(args, key)
         engine = engine_for(journal.session, args.device, args.capsule_dir, key, strict=args.verdict == "exact",
                             mtp_head=args.mtp_head)
     except Exception as exc:   # rosbags' ReaderError and SerdeError included: a bag it cannot read
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
           f"({session.model_path or 'embedded default'}, model {session.model_fingerprint[:12]})")
     print("platform: the recording's" if not differences else "platform differs: " + "; ".join(differences))
     try:
-        report = judge(journal.entries, engine, tolerance, outputs=outputs)
+        report = judge(journal.entries, engine, tolerance, outputs=outputs, fleet=fleet)
         digest = engine.state_digest()
     except (KeyError, TypeError, ValueError, AttributeError) as exc:   # an entry missing what its kind needs
         print(f"flashrt-replay: cannot replay {args.bag}: malformed entry ({type(exc).__name__}: {exc})",
@@ -108,6 +110,15 @@ def main(argv: list[str] | None = None, rerun: bool = False) -> int:
     return 0 if report.passes(verdict) else 1
 
 
+def fleet_of(args: argparse.Namespace, key: bytes | None) -> Any:
+    """The fleet tier the arguments name (None: none)."""
+    if not args.fleet_url:
+        return None
+    from ..capsule.fleet import FleetTier   # with its client library, only where a fleet is named
+    return FleetTier(args.fleet_url, key, args.fleet_prefix, password_file=args.fleet_password_file,
+                     node="flashrt-replay")
+
+
 def parser(prog: str = "flashrt-replay", description: str | None = __doc__,
            in_process: bool = True) -> argparse.ArgumentParser:
     """The command's arguments; ``in_process``: with those of a replay on an engine of its own."""
@@ -124,6 +135,11 @@ def parser(prog: str = "flashrt-replay", description: str | None = __doc__,
         parser.add_argument("--capsule-key-file", help="the key file of a session that signed its capsule files")
         parser.add_argument("--mtp-head", help="the MTP head file of a session whose node served with mtp_head "
                             "(not recorded; its weights are in the recorded fingerprint)")
+        parser.add_argument("--fleet-url", help="the fleet tier (redis:// or rediss:// URL) that a session which "
+                            "pulled capsules pulled them from: they are pulled again, by id, and checked; its "
+                            "capsules are signed with --capsule-key-file")
+        parser.add_argument("--fleet-prefix", default="flashrt", help="its key prefix (default flashrt)")
+        parser.add_argument("--fleet-password-file", default="", help="a file with its password")
     parser.add_argument("--verdict", choices=("auto", "exact", "portable"), default="auto",
                         help="the verdict that decides the exit status (default auto: exact on the recording's "
                         "platform, portable elsewhere)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Protocol
 
 from ..errors import FlashRTError, InvalidArgument
-from ..serving.journal import DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry
+from ..serving.journal import DECODE, DROP, FORK, PREFILL, PULL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, Entry
 from ..serving.operations import Rules, operation_of
 from . import verdicts
 from .verdicts import DIFFERS, EXACT_ONLY, SAME, Finding, Tolerance, Verdicts
@@ -25,14 +25,15 @@ class ReplayMismatch(AssertionError):
         self.entry, self.what = entry, what
 
 
-def replay(entries: Iterable[Entry], engine: Any) -> Verdicts:
+def replay(entries: Iterable[Entry], engine: Any, fleet: Any = None) -> Verdicts:
     """Apply ``entries`` to ``engine`` in order; raise ReplayMismatch at the first output that is
-    not byte-identical (the exact verdict, stopping early)."""
-    return judge(entries, engine, strict=True)
+    not byte-identical (the exact verdict, stopping early). ``fleet``: the fleet tier the
+    journal's pulls take their capsules from again (see ``EngineTarget``)."""
+    return judge(entries, engine, strict=True, fleet=fleet)
 
 
 def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Tolerance(),
-          strict: bool = False, outputs: Mapping[str, tuple[str, ...]] | None = None) -> Verdicts:
+          strict: bool = False, outputs: Mapping[str, tuple[str, ...]] | None = None, fleet: Any = None) -> Verdicts:
     """Apply ``entries`` to ``engine`` and judge every output both ways (see ``verdicts``).
 
     A token that differs is replaced by the recorded one (rollback of the step, then
@@ -43,7 +44,7 @@ def judge(entries: Iterable[Entry], engine: Any, tolerance: Tolerance = Toleranc
     as a whole, wherever a replay of its earlier entries would have diverged. ``outputs``: what
     each kind must have recorded (default: a journal's, ``JOURNAL_OUTPUTS``); an output an
     entry does not hold is not judged."""
-    return judge_on(entries, EngineTarget(engine), tolerance, strict, outputs)
+    return judge_on(entries, EngineTarget(engine, fleet), tolerance, strict, outputs)
 
 
 class Target(Protocol):
@@ -62,11 +63,13 @@ class Target(Protocol):
 
 
 class EngineTarget:
-    """Entries applied to an engine in this process, by the rules the session applied them by."""
+    """Entries applied to an engine in this process, by the rules the session applied them by.
+    ``fleet``: the fleet tier (``capsule.fleet.FleetTier``) a pull entry takes its capsule from
+    again, by id; without one a journal that pulled stops there, refused."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, fleet: Any = None) -> None:
         self.engine = engine
-        self._rules = Rules()
+        self._rules = Rules(fleet=fleet)
 
     def apply(self, entry: Entry, ids: dict[str, str]) -> dict[str, Any]:
         self._rules.ids = ids
@@ -124,7 +127,7 @@ def judge_on(entries: Iterable[Entry], target: Target, tolerance: Tolerance = To
             report.largest_action_difference = max(report.largest_action_difference, largest)
             if portable != SAME:
                 found(entry, "action", out["action"], produced["action"], portable, detail)
-        if entry.kind in (SNAPSHOT, FORK):
+        if entry.kind in (SNAPSHOT, FORK, PULL):
             ids[out["capsule_id"]] = produced["capsule_id"]
         if "state_digest" in out and out["state_digest"] != (digest := target.state_digest()):
             found(entry, "state_digest", out["state_digest"], digest, EXACT_ONLY)
@@ -139,12 +142,12 @@ def judge_on(entries: Iterable[Entry], target: Target, tolerance: Tolerance = To
 JOURNAL_OUTPUTS: dict[str, tuple[str, ...]] = {
     "*": ("error_code", "position"), DECODE: ("token",), STEP: ("action",), SNAPSHOT: ("capsule_id", "state_digest"),
     FORK: ("capsule_id", "state_digest"), RESTORE: ("state_digest",), ROLLBACK: ("state_digest",),
-    DROP: ("state_digest",)}
+    DROP: ("state_digest",), PULL: ("capsule_id",)}
 
 
 # What the request of each kind must hold for it to be applied at all.
 _REQUESTED = {PREFILL: ("token_ids",), STEP: ("observation",), SNAPSHOT: ("tier",), SPILL: ("spill",),
-              RESTORE: ("capsule_id",), DROP: ("capsule_id",)}
+              RESTORE: ("capsule_id",), DROP: ("capsule_id",), PULL: ("capsule_id",)}
 
 
 def check_entries(entries: Iterable[Entry], outputs: Mapping[str, tuple[str, ...]] | None = None) -> None:

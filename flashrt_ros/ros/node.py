@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
@@ -29,7 +30,7 @@ from ..errors import ErrorCode, NotActive
 from ..runtime import Engine
 from ..serving import Session
 from . import params
-from .answers import LIST, SERVICES
+from .answers import LIST, SERVICES, Call
 from .convert import outcome
 from .goals import GoalQueue
 from .rclpy_compat import answer_invalid_transitions
@@ -199,13 +200,12 @@ class FlashRTNode(LifecycleNode):
         info, code, message, position = None, int(ErrorCode.OK), "ok", None
         start = time.perf_counter()
         try:
-            if session is None:
+            if session is None or not self.serving:   # asked again under the lock (``_serving``)
                 raise NotActive(f"node is {self.label}, not active: activate it to serve {kind}")
-            with session.engine.lock:   # asked again under it: a cleanup lets go of the session under it
-                if not self.serving or self.session is not session:
-                    raise NotActive(f"node is {self.label}, not active: activate it to serve {kind}")
-                info, message, position = answer(request, response, session,
-                                                 self.get_parameter("default_tier").value)
+            served = self.served
+            call = Call(session, self.get_parameter("default_tier").value, lambda: self._serving(session, kind),
+                        served.fleet if served is not None else None, self.get_parameter("fleet.timeout_s").value)
+            info, message, position = answer(request, response, call)
             message = message or "ok"
         except Exception as exc:
             code, message = outcome(exc)
@@ -224,6 +224,15 @@ class FlashRTNode(LifecycleNode):
             self.report.dirty.set()
         self.report_journal()
         return response
+
+    @contextmanager
+    def _serving(self, session: Session, kind: str) -> Iterator[None]:
+        """The engine lock, held while the node serves ``session``: a cleanup lets go of the
+        session under it, so what is asked under it cannot outlive the engine."""
+        with session.engine.lock:
+            if not self.serving or self.session is not session:
+                raise NotActive(f"node is {self.label}, not active: activate it to serve {kind}")
+            yield
 
     def report_journal(self) -> None:
         """A journal that stopped (its disk filled, say) is said once; serving goes on."""
@@ -254,4 +263,6 @@ class FlashRTNode(LifecycleNode):
             self.publish_status()
 
     def publish_status(self) -> None:
-        self.report.status(self.label, self.session, self.goals.running(), self._capsule_services.failures)
+        served = self.served
+        self.report.status(self.label, self.session, self.goals.running(), self._capsule_services.failures,
+                           served.fleet_watch if served is not None else None)

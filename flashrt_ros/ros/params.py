@@ -104,6 +104,14 @@ PARAMS = (
           "levels: events on <service>/_service_event with the request and response (contents), without them "
           "(metadata), or none (off); a bag of them with contents replays (flashrt-replay)",
           choices=("off", "metadata", "contents")),
+    Param("fleet.url", "", "the fleet tier's Valkey or Redis server: redis://host:6379/0, rediss:// (TLS) or "
+          "unix:///path; its capsules are signed with capsule_key_file, which it requires; empty = no fleet tier"),
+    Param("fleet.prefix", "flashrt", "key prefix on the server, so that several fleets or models share one"),
+    Param("fleet.password_file", "", "file holding the server's password (of fleet.username, or of the URL's "
+          "user); empty = none"),
+    Param("fleet.username", "", "ACL user on the server; empty = the URL's, or the default user"),
+    Param("fleet.timeout_s", 5.0, "seconds one fleet request (a publish, a pull, a list) may take in all; a "
+          "capsule service waits behind one at most this long", read_only=False, lo=0.01, hi=3600.0),
     Param("autostart", False, "configure and activate at start"),
 )
 
@@ -171,6 +179,8 @@ def check_together(vals: dict[str, Any]) -> str:
     """Cross-parameter checks, done at configure; returns the reason for a refusal, or ''."""
     if vals["default_tier"] == "disk" and not vals["capsule_dir"]:
         return "default_tier=disk needs a capsule_dir: every Snapshot with an empty tier would be refused"
+    if vals["fleet.url"] and not vals["capsule_key_file"]:
+        return "fleet.url needs a capsule_key_file: the fleet tier publishes and loads signed capsules only"
     obs, act = vals["policy.obs_dim"], vals["policy.action_dim"]
     if (obs == 0) != (act == 0):
         return f"policy.obs_dim={obs} and policy.action_dim={act}: both > 0, or both 0 to turn policy mode off"

@@ -14,16 +14,18 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from ..capsule import CapsuleInfo
+from ..errors import ErrorCode
 from ..msg import CapsuleEvent, RuntimeStatus
 from ..serving import Session
 from .convert import info_msg
-from .telemetry import Latencies, diagnostics_msg, status_msg
+from .telemetry import Latencies, diagnostics_msg, fleet_diagnostics, status_msg
 
 STATUS_QOS = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
 _EVENTS_QOS = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 # What the store announces on its own, after the operation that caused it.
 _STORE_EVENTS = {"spill": "capsule {id} moved to {tier}", "evict": "capsule {id} evicted",
-                 "digest": "capsule {id} digest {digest16}..."}
+                 "digest": "capsule {id} digest {digest16}...",
+                 "pull": "capsule {id} pulled from the fleet tier into {tier} ({nbytes} bytes)"}
 
 
 class Unasked(NamedTuple):
@@ -69,15 +71,24 @@ class Reporter:
         snapshot's digest once its background hash is done (its answer carried an empty one)."""
         text = _STORE_EVENTS.get(kind)
         if text is not None:
-            message = text.format(id=info.id, tier=info.tier, digest16=info.digest[:16])
+            message = text.format(id=info.id, tier=info.tier, digest16=info.digest[:16], nbytes=info.nbytes)
             self.event(kind, info, Unasked(position=position, message=message))
+
+    def fleet_event(self, reachable: bool, error: str, position: int) -> None:
+        """The fleet tier's server answers again, or no longer (``error``: why)."""
+        if reachable:
+            self.event("fleet", None, Unasked(position=position, message="fleet tier reachable"))
+        else:
+            self.event("fleet", None, Unasked(position=position, message=error, success=False,
+                                              error_code=int(ErrorCode.FLEET_UNAVAILABLE)))
 
     def _publish(self, msg: CapsuleEvent) -> None:
         msg.header.stamp = self._node.get_clock().now().to_msg()
         self._events.publish(msg)
         self._record("~/events", msg)
 
-    def status(self, label: str, session: Session | None, generating: bool, failures: int) -> None:
+    def status(self, label: str, session: Session | None, generating: bool, failures: int,
+               fleet: Any = None) -> None:
         """~/status and /diagnostics now; a fault is counted and logged, never raised (an engine
         fault, a sticky CUDA error say, must not stop the executor that calls this)."""
         try:
@@ -93,7 +104,10 @@ class Reporter:
                     status = status_msg(label, session.engine, digest, now)
             self._status.publish(status)
             counters = {**self.counters, "service_failures": failures}
-            self._diagnostics.publish(diagnostics_msg(self._node.get_name(), status, self.latencies, counters, now))
+            array = diagnostics_msg(self._node.get_name(), status, self.latencies, counters, now)
+            if fleet is not None:
+                array.status.append(fleet_diagnostics(self._node.get_name(), fleet, fleet.fleet.stats()))
+            self._diagnostics.publish(array)
         except Exception:
             if not self._node.context.ok():   # a SIGTERM landed while the timer ran: not a fault
                 return

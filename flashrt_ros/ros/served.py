@@ -27,6 +27,7 @@ from ..serving import Journal, Session
 from ..serving.record import SessionRecord
 from . import params
 from .convert import outcome, session_msg
+from .fleet_watch import FleetWatch
 from .policy_io import PolicyIO
 from .recorder import Recorder
 from .reporting import STATUS_QOS, Unasked
@@ -44,7 +45,13 @@ class Served:
     def __init__(self, node: Any, vals: dict[str, Any]) -> None:
         self._node = node
         self.engine, self.tokenizer = _build(vals)
-        self.session = Session(self.engine)
+        try:
+            self.fleet = _fleet(vals, node)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.session = Session(self.engine, fleet=self.fleet)
+        self.fleet_watch = FleetWatch(self.fleet) if self.fleet is not None else None
         self.bag: Recorder | None = None
         self.policy: PolicyIO | None = None
         self._record_pub = None
@@ -117,6 +124,9 @@ class Served:
         try:
             for kind, info in self.engine.capsules.take_events():
                 node.report.store_event(kind, info, self.engine.position)
+            if self.fleet_watch is not None:
+                for reachable, error in self.fleet_watch.take_changes():
+                    node.report.fleet_event(reachable, error, self.engine.position)
             if not node.serving:
                 return
             for info in self.session.expire():
@@ -156,10 +166,26 @@ class Served:
                     bag.close()
                 except Exception as exc:  # e.g. its folder was deleted: the engine is freed all the same
                     node.get_logger().error(f"journal could not be closed: {exc}")
-        finally:   # whatever failed above, the engine's memory and threads go
+        finally:   # whatever failed above, the engine's memory and threads go, and the fleet's connections
+            if self.fleet_watch is not None:
+                self.fleet_watch.close()
+            if self.fleet is not None:
+                self.fleet.close()
             self.engine.close()
             if self.engine.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _fleet(vals: dict[str, Any], node: Any) -> Any:
+    """The fleet tier of ``fleet.url`` (None: none), holding references as this host's node.
+    Nothing connects here: a node configures while its server is down, and says so per request."""
+    if not vals["fleet.url"]:
+        return None
+    from ..capsule.fleet import FleetTier   # with its client library, only where a fleet is configured
+    from ..capsule.fleet_config import node_id
+    return FleetTier(vals["fleet.url"], signing.load_key(vals["capsule_key_file"]), vals["fleet.prefix"],
+                     password_file=vals["fleet.password_file"], username=vals["fleet.username"],
+                     node=node_id(node.get_fully_qualified_name()))
 
 
 def _build(vals: dict[str, Any]) -> tuple[Engine, Any]:

@@ -13,11 +13,12 @@ from typing import Any, Callable
 from .record import SessionRecord
 
 # Kinds of entries, and the engine call each one replays as. SPILL is the spill
-# parameter changed at run time: it decides later refusals and evictions.
+# parameter changed at run time: it decides later refusals and evictions. PULL is a capsule of the
+# fleet tier added to a local tier: a later restore or fork may name it, so a replay pulls it again.
 PREFILL, DECODE, STEP = "prefill", "decode", "step"
 SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP = "snapshot", "fork", "restore", "rollback", "drop"
-SPILL = "spill"
-KINDS = (PREFILL, DECODE, STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP, SPILL)
+SPILL, PULL = "spill", "pull"
+KINDS = (PREFILL, DECODE, STEP, SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP, SPILL, PULL)
 
 
 @dataclass(frozen=True)

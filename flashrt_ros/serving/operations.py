@@ -18,7 +18,7 @@ import torch
 from ..capsule import CapsuleInfo
 from ..errors import InvalidArgument
 from . import leases as lease_rules
-from .journal import DECODE, DROP, FORK, PREFILL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, action_bytes
+from .journal import DECODE, DROP, FORK, PREFILL, PULL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, action_bytes
 from .leases import Leases
 from .requests import SnapshotRequests
 
@@ -148,8 +148,20 @@ class Spill(Operation):
     spill: bool = True
 
 
+@dataclass(frozen=True)
+class Pull(Operation):
+    """The fleet capsule ``capsule_id`` added to the local ``tier`` (``name``: the fleet name it
+    was asked by, "" for its id). Journaled by id: a name may point elsewhere by replay time."""
+
+    KIND: ClassVar[str] = PULL
+    capsule_id: str = ""
+    name: str = ""
+    tier: str = "host"
+
+
 OPERATIONS: dict[str, type[Operation]] = {op.KIND: op for op in
-                                          (Prefill, Decode, Step, Snapshot, Restore, Fork, Rollback, Drop, Spill)}
+                                          (Prefill, Decode, Step, Snapshot, Restore, Fork, Rollback, Drop, Spill,
+                                           Pull)}
 CAPSULE_KINDS = (SNAPSHOT, FORK, RESTORE, ROLLBACK, DROP)   # the whole state is checked after these
 
 
@@ -189,12 +201,14 @@ class Applied(NamedTuple):
 
 class Rules:
     """Applies operations to one engine with the rules they share (see the module docstring).
-    ``ids``: capsule ids as the operations name them -> this engine's (a replay's map)."""
+    ``ids``: capsule ids as the operations name them -> this engine's (a replay's map).
+    ``fleet``: the fleet tier (``capsule.fleet.FleetTier``) a Pull takes its capsule from."""
 
-    def __init__(self, ids: dict[str, str] | None = None) -> None:
+    def __init__(self, ids: dict[str, str] | None = None, fleet: Any = None) -> None:
         self.requests = SnapshotRequests()
         self.leases = Leases()
         self.ids = ids if ids is not None else {}
+        self.fleet = fleet
 
     def _id(self, capsule_id: str) -> str:
         return self.ids.get(capsule_id, capsule_id)
@@ -238,7 +252,18 @@ class Rules:
         if isinstance(op, Spill):
             engine.capsules.spill = bool(op.spill)
             return Applied(None, {})
+        if isinstance(op, Pull):
+            return self.pull(op, engine)
         raise InvalidArgument(f"not an operation: {op!r}")
+
+    def pull(self, op: Pull, engine: Any, deadline_s: float | None = None) -> Applied:
+        """``op``: its capsule from the fleet tier into the engine's store (no engine lock needed:
+        the store takes its own, and the live state is not touched)."""
+        if self.fleet is None:
+            raise InvalidArgument(f"capsule {op.capsule_id} comes from the fleet tier, and there is none here "
+                                  "(a node: set fleet.url; a replay: give it the fleet)")
+        info = self.fleet.pull(engine.capsules, op.capsule_id, op.tier, name=op.name, deadline_s=deadline_s)
+        return Applied(info, {"capsule_id": info.id})
 
     def _snapshot(self, op: Snapshot, engine: Any) -> Applied:
         lease = lease_rules.check(op.lease_s)

@@ -8,16 +8,17 @@ and calls these methods, and an in-process user can do the same.
 from __future__ import annotations
 
 import logging
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
 from ..capsule import CapsuleInfo
 from ..errors import ErrorCode
 from ..runtime import Engine
+from ..errors import InvalidArgument
 from .journal import DECODE, PREFILL, STEP, Journal, action_bytes
-from .operations import (CAPSULE_KINDS, Applied, Decode, Drop, Fork, Operation, Prefill, Restore, Rollback, Rules,
-                         Snapshot, Spill, Step)
+from .operations import (CAPSULE_KINDS, Applied, Decode, Drop, Fork, Operation, Prefill, Pull, Restore, Rollback,
+                         Rules, Snapshot, Spill, Step)
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,14 @@ def _capped(request: dict) -> dict:
 
 
 class Session:
-    """``journal``: where committed operations are recorded (None: not recorded)."""
+    """``journal``: where committed operations are recorded (None: not recorded). ``fleet``: the
+    fleet tier (``capsule.fleet.FleetTier``) that ``pull`` takes capsules from, if any."""
 
-    def __init__(self, engine: Engine, journal: Journal | None = None) -> None:
+    def __init__(self, engine: Engine, journal: Journal | None = None, fleet: Any = None) -> None:
         self.engine = engine
         self.journal = journal
         self.journal_failure = ""   # why the journal stopped, once it has
-        self.rules = Rules()
+        self.rules = Rules(fleet=fleet)
         self._version = 0            # bumped by every state change: the status digest is cached per version
         self._digest: tuple[tuple[int, int], str] = ((-1, -1), "")
 
@@ -82,6 +84,20 @@ class Session:
 
     def drop(self, capsule_id: str) -> CapsuleInfo:
         return self.apply(Drop(capsule_id)).value
+
+    def pull(self, ref: str, tier: str = "host", deadline_s: float | None = None) -> CapsuleInfo:
+        """The fleet capsule ``ref`` (an id, or a name on the fleet) in the local ``tier``, to
+        restore or fork like any other; one held here already is not fetched again. The
+        transfer holds no engine lock (steps and tokens go on): it adds a capsule and leaves the
+        live state alone. Journaled by id once it is in. A refused pull changes nothing and is
+        not journaled: the fleet's faults are not the engine's, and no replay reproduces them."""
+        fleet = self.rules.fleet
+        if fleet is None:
+            raise InvalidArgument("no fleet tier: this session was given none")
+        info = fleet.pull(self.engine.capsules, ref, tier, deadline_s=deadline_s)
+        with self.engine.lock:
+            self._record(Pull.KIND, Pull(info.id, info.name, info.tier).journaled(), None, {"capsule_id": info.id})
+        return info
 
     def list(self, tier: str = "") -> list[CapsuleInfo]:
         return self.engine.capsules.list(tier)
