@@ -101,7 +101,8 @@ def contexts(n: int, sizes: Sizes) -> list[Context]:
     from the file halfway to the next pick, so no side request is another context's text."""
     files = held_out_files(sizes.context)
     if len(files) < 2 * n:
-        raise ValueError(f"{n} contexts need {2 * n} standard-library files of {sizes.context} bytes, found {len(files)}")
+        raise ValueError(f"{n} contexts need {2 * n} standard-library files of {sizes.context} bytes, "
+                         f"found {len(files)}")
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for i in range(n):
