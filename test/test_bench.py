@@ -108,3 +108,4 @@ def test_fleet_benchmark_runs_against_a_real_server_and_reports_its_targets():
                                                      "fleet pull + verify + restore / raw GET, 16 tokens"]
     assert all(_finite(c) for c in result["checks"])
     assert 0 < result["lineage"]["stored"] <= result["lineage"]["capsules"]
+    assert result["rows"][0]["pullers"] > 0 and result["rows"][0]["raw_gets"] > 0   # 8 pullers, measured

@@ -37,7 +37,7 @@ ERROR_CODES = [
     "UNTRUSTED_CAPSULE", "CONTEXT_FULL", "FLEET_UNAVAILABLE", "INCOMPLETE_CAPSULE",
 ]
 EVENT_KINDS = ["snapshot", "restore", "fork", "rollback", "drop", "evict", "spill", "digest", "pull",
-               "context_full"]
+               "fleet", "context_full"]
 
 CAPSULE_INFO = {
     "id": "string", "name": "string", "parent": "string", "position": "int64",
@@ -75,11 +75,11 @@ SERVICE_FIELDS = {
         {**OUTCOME, **ONE_CAPSULE, **TIMING},
     ),
     "Restore": (
-        {"capsule_id": "string", "verify": "boolean"},
+        {"capsule_id": "string", "tier": "string", "verify": "boolean"},
         {**OUTCOME, **ONE_CAPSULE, **TIMING},
     ),
     "Fork": (
-        {"source_id": "string", "name": "string", "lease_s": "double"},
+        {"source_id": "string", "name": "string", "tier": "string", "lease_s": "double"},
         {**OUTCOME, **ONE_CAPSULE, "source_id": "string", **TIMING},
     ),
     "Rollback": (

@@ -10,7 +10,10 @@ side in one run, on ``ModelConfig.bench()``.
    digest and history hash, the copy into the store, the restore's copy into the arena) / a
    pipelined GET of the same bytes (target <= 1.5);
 3. bytes on the server for a lineage of 10 snapshots, each 64 tokens past the last, published
-   one after another / the 10 capsules' sizes (what 10 independent capsules would store).
+   one after another / the 10 capsules' sizes (what 10 independent capsules would store);
+4. 8 pullers of one capsule at once (the longest prefix), each a client and a store of its
+   own on a thread of this process: the time until all 8 hold it verified / 8 threads' raw
+   pipelined GETs of its bytes at once.
 
 Without ``--url`` it starts a valkey-server on loopback (``bench.kv_server``). Absolute rates
 depend on the machine and the link; the ratios are within one run.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import secrets
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from .kv_server import KeyValueServer, server_binary
 MiB = 1 << 20
 LINEAGE = 10
 STEP = 64
+PULLERS = 8
 
 
 def _prefill(engine: Engine, upto: int) -> None:
@@ -120,13 +125,32 @@ def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, ste
             b.restore(puller.pull(b.capsules, capsule.id).id)
             return time.perf_counter() - start
 
-        times = interleaved({"publish": publish, "raw_set": raw_set, "pull": pull, "raw_get": raw_get}, rounds)
+        def ready() -> None:   # what a publish or a raw SET emptied, back before a timing that reads it
+            if raw.exists(raw_keys[-1]) == 0:
+                _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
+            if raw.exists(f"{prefix}:manifest:{capsule.id}") == 0:
+                fleet.publish(a.capsules, capsule.id)
+
+        fns = {"publish": publish, "raw_set": raw_set, "pull": pull, "raw_get": raw_get}
+        together = None
+        if tokens == max(prefixes):
+            together = _Together(url, key, prefix, cfg, length, capsule.id, raw_keys, fleet.config.batch_bytes, ready)
+            fns |= {"pullers": together.pulls, "raw_gets": together.gets}
+        try:
+            times = interleaved(fns, rounds)
+        finally:
+            if together is not None:
+                together.close()
         mib = info.nbytes / MiB
         row = {"tokens": tokens, "bytes": info.nbytes, "chunks": len(values)} | {k: v for k, v in times.items()}
         rows.append(row)
         print(f"| {tokens} | {mib:.1f} | {mib / times['publish']:.0f} | {mib / times['raw_set']:.0f} "
               f"| {times['publish'] / times['raw_set']:.2f} | {mib / times['pull']:.0f} | {mib / times['raw_get']:.0f} "
               f"| {times['pull'] / times['raw_get']:.2f} |")
+        if "pullers" in times:
+            print(f"{PULLERS} pullers of one {tokens}-token capsule at once: {times['pullers'] * 1e3:.0f} ms until "
+                  f"all hold it verified, {PULLERS} raw pipelined GETs at once {times['raw_gets'] * 1e3:.0f} ms "
+                  f"({times['pullers'] / times['raw_gets']:.2f})")
         a.capsules.drop(capsule.id)
     for row in rows:
         checks.append(verdict(f"fleet publish / raw SET, {row['tokens']} tokens", row["publish"] / row["raw_set"],
@@ -148,6 +172,62 @@ def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, ste
     fleet.close()
     puller.close()
     return {"machine": machine(), "rows": rows, "lineage": {"stored": stored, "capsules": sizes}, "checks": checks}
+
+
+class _Together:
+    """``PULLERS`` pulls of one capsule at once, each with a client and a store of its own, and as
+    many raw pipelined GETs of its chunks' keys at once; ``ready()`` runs before each, untimed."""
+
+    def __init__(self, url: str, key: bytes, prefix: str, cfg: ModelConfig, length: int, capsule_id: str,
+                 raw_keys: list[str], batch_bytes: int, ready) -> None:
+        self.capsule_id, self.raw_keys, self.batch_bytes, self.ready = capsule_id, raw_keys, batch_bytes, ready
+        self.tiers = [FleetTier(url, key, prefix, node=f"bench-p{i}") for i in range(PULLERS)]
+        self.engines = [Engine.from_config(cfg, max_seq_len=length) for _ in range(PULLERS)]
+        self.clients = [tier.config.connect() for tier in self.tiers]
+        ready()
+        self.sizes = [self.clients[0].strlen(k) for k in raw_keys]
+
+    def pulls(self) -> float:
+        self.ready()
+        for engine in self.engines:
+            if engine.capsules.kept(self.capsule_id) is not None:
+                engine.capsules.drop(self.capsule_id)
+        return _at_once(lambda i: self.tiers[i].pull(self.engines[i].capsules, self.capsule_id))
+
+    def gets(self) -> float:
+        self.ready()
+        commands = [("get", k, n) for k, n in zip(self.raw_keys, self.sizes)]
+        return _at_once(lambda i: _pipelined(self.clients[i], commands, self.batch_bytes))
+
+    def close(self) -> None:
+        for engine, tier, client in zip(self.engines, self.tiers, self.clients):
+            engine.close()
+            tier.close()
+            client.close()
+
+
+def _at_once(fn) -> float:
+    """Wall time of ``fn(0)`` ... ``fn(PULLERS - 1)``, each on its own thread, released together."""
+    start_line = threading.Barrier(PULLERS + 1)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        start_line.wait()
+        try:
+            fn(i)
+        except BaseException as exc:   # said after the join: a benchmark that failed measures nothing
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(PULLERS)]
+    for t in threads:
+        t.start()
+    start_line.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
 
 
 def _pipelined(client, commands: list[tuple], batch_bytes: int) -> None:
