@@ -131,6 +131,20 @@ def test_two_robots_share_state_through_a_real_server(tmp_path, monkeypatch):
             assert sorted(c.id for c in after.capsules) == sorted(c.id for c in before.capsules)
             kv_server.start()
             assert b.call("restore", capsule_id="task", tier="fleet").success
+
+            # A server that stops answering: the fleet request is refused when its exchange's timeout
+            # runs out, and the node serves a goal meanwhile.
+            from flashrt_ros.srv import Restore
+
+            kv_server.pause()
+            try:
+                stalled = b.client.clients["restore"].call_async(Restore.Request(capsule_id="task", tier="fleet"))
+                assert len(b.generate(" meanwhile", 4)) == 4
+                answer = wait_future(stalled, 60)
+            finally:
+                kv_server.resume()
+            assert answer.error_code == ErrorCode.FLEET_UNAVAILABLE, answer.message
+            assert "did not answer within" in answer.message
             again = b.call("snapshot", name="again", tier="fleet")
             assert again.success, again.message
             # B drops it: the local capsule, and B's reference, the last, so the fleet's copy too.
