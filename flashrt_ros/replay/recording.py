@@ -169,6 +169,10 @@ class _Builder:
         if code == ErrorCode.NOT_ACTIVE:
             self.recording.skipped_calls += 1
             return
+        if getattr(req, "tier", "") == "fleet":
+            raise InvalidArgument(f"a {kind} request of the fleet tier: a recording holds neither what was pulled "
+                                  "nor what was published; replay the node's journal bag (journal_path) with "
+                                  "--fleet-url")
         outcome: dict[str, Any] = {"error_code": code, "position": int(resp.position)}
         if code == 0 and kind in (SNAPSHOT, FORK):
             outcome["capsule_id"] = resp.capsule_id
