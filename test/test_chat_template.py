@@ -6,7 +6,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from flashrt_ros.errors import InvalidArgument
+from flashrt_ros.errors import ErrorCode, InvalidArgument
 from flashrt_ros.runtime.chat import TEMPLATE_FILE
 from flashrt_ros.runtime.tokenizer import load_tokenizer
 
@@ -127,3 +127,42 @@ def test_of_named_templates_the_default_is_taken(tmp_path):
              {"name": "default", "template": "{{ messages[0]['content'] }}"}]
     tok = load_tokenizer(_checkpoint_tokenizer(tmp_path, template=named))
     assert tok.chat_template.render([{"role": "user", "content": "hi"}]) == "hi"
+
+
+def test_a_generate_goal_takes_chat_messages_over_dds(ros_context, tmp_path):
+    """The goal's messages rendered by the checkpoint's template: the same tokens as the goal
+    of their ids; a message the template refuses fails the goal and leaves the state alone."""
+    pytest.importorskip("rclpy")
+    from flashrt_ros.msg import ChatMessage
+    from flashrt_ros.runtime import ModelConfig
+    from flashrt_ros.runtime.weights import save_checkpoint, seeded_weights
+    from ros_harness import Harness, wait_future
+
+    cfg = ModelConfig.tiny()
+    save_checkpoint(tmp_path, cfg, seeded_weights(cfg, seed=3))
+    tok = load_tokenizer(_checkpoint_tokenizer(tmp_path))
+    h = Harness(ros_context, {"model_path": str(tmp_path)})
+    try:
+        from flashrt_ros.action import Generate
+
+        def run(**fields):
+            assert h.generate_client.wait_for_server(timeout_sec=10)
+            handle = wait_future(h.generate_client.send_goal_async(Generate.Goal(max_new_tokens=6, **fields)), 60)
+            return wait_future(handle.get_result_async(), 60).result
+
+        mark = h.call("snapshot", lease_s=0.0)
+        chat = [ChatMessage(role=m["role"], content=m["content"]) for m in CHAT]
+        by_messages = run(messages=chat)
+        assert by_messages.success, by_messages.message
+        assert h.call("restore", capsule_id=mark.capsule_id).success
+        by_ids = run(token_ids=tok.encode_chat(CHAT))
+        assert by_ids.success and list(by_ids.tokens) == list(by_messages.tokens)
+        assert by_ids.position == by_messages.position
+
+        refused = run(messages=[ChatMessage(role="robot", content="hello")])
+        assert not refused.success and refused.error_code == ErrorCode.INVALID_ARGUMENT
+        assert "unknown role robot" in refused.message and refused.position == by_ids.position
+        both = run(messages=chat, prompt="and a prompt")
+        assert not both.success and both.error_code == ErrorCode.INVALID_ARGUMENT
+    finally:
+        h.close()

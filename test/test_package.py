@@ -50,6 +50,7 @@ TIMING = {"position": "int64", "latency_ms": "double"}
 
 MESSAGE_FIELDS = {
     "ErrorCode": {"code": "uint16"},
+    "ChatMessage": {"role": "string", "content": "string"},
     "CapsuleInfo": CAPSULE_INFO,
     "CapsuleEvent": {
         "header": "std_msgs/Header", "kind": "string", "capsule": "flashrt_ros/CapsuleInfo",
@@ -203,7 +204,8 @@ def test_rollback_to_position_minus_one_means_unused_by_convention() -> None:
 def test_generate_action_has_the_designed_goal_result_and_feedback() -> None:
     gen = fr_action.Generate
     assert gen.Goal.get_fields_and_field_types() == {
-        "prompt": "string", "token_ids": "sequence<int32>", "max_new_tokens": "int32",
+        "prompt": "string", "token_ids": "sequence<int32>", "messages": "sequence<flashrt_ros/ChatMessage>",
+        "max_new_tokens": "int32",
         "temperature": "float", "seed": "int64", "speculative": "int32",
     }
     assert gen.Result.get_fields_and_field_types() == {

@@ -101,6 +101,12 @@ def _streamed(node: Any, engine: Any, goal_handle: Any, stream: Iterator[int], t
 
 
 def _prompt_ids(tokenizer: Any, goal: Any) -> list[int]:
+    if len(goal.messages):
+        if len(goal.token_ids) or goal.prompt:
+            raise InvalidArgument("a goal gives messages, a prompt or token_ids: one of them")
+        if tokenizer is None:
+            raise InvalidArgument("this checkpoint has no tokenizer.json: send token_ids instead of messages")
+        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in goal.messages])
     if len(goal.token_ids):
         return [int(t) for t in goal.token_ids]
     if not goal.prompt:
