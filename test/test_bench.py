@@ -109,3 +109,17 @@ def test_fleet_benchmark_runs_against_a_real_server_and_reports_its_targets():
     assert all(_finite(c) for c in result["checks"])
     assert 0 < result["lineage"]["stored"] <= result["lineage"]["capsules"]
     assert result["rows"][0]["pullers"] > 0 and result["rows"][0]["raw_gets"] > 0   # 8 pullers, measured
+
+
+def test_the_released_shape_benchmark_runs_end_to_end_on_a_small_shape():
+    from flashrt_ros.bench import released
+    from flashrt_ros.runtime import ModelConfig
+
+    # The tiny model with the vocabulary the capsule benchmark draws its prompts from.
+    result = released.run("tiny shape", prompt=16, tokens=2, rounds=1, ttft=(64,), cfg=ModelConfig.tiny(vocab_size=32768))
+    assert result["parity"]["max_logit_diff"] < 1e-3
+    assert result["parity"]["tokens_identical"] == result["parity"]["tokens"]
+    assert result["load"]["dtype"] == "torch.float32"   # a bf16 folder computes in fp32 on a CPU
+    assert result["load"]["file_bytes"] > 0 and result["peak_rss_gib"] > 0
+    assert result["ttft"][0]["prefix"] == 64 and result["sizes"]["per_token"]
+    assert all(_finite(c) for c in result["checks"])

@@ -1,6 +1,7 @@
 """``make bench`` = ``python -m flashrt_ros.bench [--out bench]``: every benchmark, one run.
 
-Runs the runtime, capsule, prompt-reuse, ROS service, replay, speculative-decoding and fleet-tier benchmarks in turn,
+Runs the runtime, capsule, prompt-reuse, ROS service, replay, speculative-decoding and fleet-tier benchmarks,
+then the released 0.8B shape's (random weights), in turn,
 prints every target of the earlier issues as PASS or MISS, and writes
 ``<out>/results.json`` and one PNG per section. Each figure is a ratio
 measured within this run; absolute times are labelled with the machine.
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import capsules, charts, fleet, replay, reuse, runtime, speculative
+from . import capsules, charts, fleet, released, replay, reuse, runtime, speculative
 from .common import code_version, machine, verdict_line
 
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         ("replay", lambda: replay.run(60.0 if args.quick else 600.0)),
         ("speculative", lambda: speculative.run(args.device, 32 if args.quick else 128, 1 if args.quick else 5)),
         ("fleet", lambda: fleet.run(None, (512, 1024) if args.quick else (2048, 8192, 16384), rounds)),
+        ("released", lambda: released.run("Qwen3.5-0.8B", *((64, 4, 1, (512,)) if args.quick else (512, 16, 3, (2048,))))),
     ]
     results: dict = {"machine": machine(), "device": args.device, "code": code_version(), "started": time.time(),
                      "seconds": {}}
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                 charts.fork_memory(results["reuse"]["fork_memory"], out / "fork_memory.png", where)]
     if results["ros_services"]:
         pictures.append(charts.services(results["ros_services"], out / "services.png", where))
-    checks = [c for key in ("runtime", "capsules", "ros_services", "replay", "speculative", "fleet") if results.get(key)
+    checks = [c for key in ("runtime", "capsules", "ros_services", "replay", "speculative", "fleet", "released")
+              if results.get(key)
               for c in results[key]["checks"]]
     results["checks"] = checks
     (out / "results.json").write_text(json.dumps(results, indent=2))

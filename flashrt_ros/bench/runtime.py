@@ -177,9 +177,11 @@ class KernelRatios:
         return ratios
 
 
-def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 5) -> dict:
+def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 5, cfg: ModelConfig | None = None,
+        label: str = "ModelConfig.bench()") -> dict:
+    """``cfg`` (default ``ModelConfig.bench()``, named ``label`` in the output): the model both run."""
     dev = torch.device(device)
-    cfg = ModelConfig.bench()
+    cfg = cfg or ModelConfig.bench()
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(tmp, cfg, seeded_weights(cfg, seed=0))
         engine = Engine.from_pretrained(tmp, device=dev, max_seq_len=prompt + tokens * (rounds + 2) + 8)
@@ -242,7 +244,7 @@ def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 
     print(f"runtime benchmark on {machine()}" + ("; both engines' weights on huge pages" if dev.type == "cpu" else ""))
     if dev.type == "cuda":
         print(f"  transformers' linear attention: {_hf_kernels()}")
-    print(f"  model: ModelConfig.bench(), fp32, prompt {prompt} tokens, {tokens} decode tokens, {rounds} rounds (medians)")
+    print(f"  model: {label}, fp32, prompt {prompt} tokens, {tokens} decode tokens, {rounds} rounds (medians)")
     print(f"  prefill tokens/s   ours {prompt / t['ours_prefill']:9.1f}   transformers {prompt / t['hf_prefill']:9.1f}")
     if share:
         print(f"  prefill ceiling    x{speedup / share:.2f} over transformers: {share:.0%} of this engine's prefill "
