@@ -144,6 +144,7 @@ class FleetTier:
         self._scripts = Scripts(self._client)
         self._stats = FleetStats()
         self._stats_lock = threading.Lock()
+        self._held: set[str] = set()   # ids this client took a reference on (publish, hold), until dropped
 
     # ---- queries ---------------------------------------------------------------------------------
     def ping(self) -> float:
@@ -277,6 +278,8 @@ class FleetTier:
             raise
         seconds = time.monotonic() - started
         self._count(published=1, bytes_sent=sent_bytes)
+        with self._stats_lock:
+            self._held.add(info.id)
         whole = info._replace(tier="fleet", name=name or "", pinned=False, nbytes=layout.ranges_bytes(info.position))
         return Published(whole, len(digests), whole.nbytes, sent, sent_bytes, seconds)
 
@@ -393,6 +396,8 @@ class FleetTier:
             raise UnknownCapsule(f"no fleet capsule {capsule_id}")
         if word == "missing":
             raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index - 1} is gone from the server")
+        with self._stats_lock:
+            self._held.add(capsule_id)
 
     def drop(self, ref: str) -> bool:
         """Remove this node's reference on a fleet capsule. True: it was the last one, and
@@ -407,9 +412,18 @@ class FleetTier:
         self._check(word)
         if word == "unknown":
             raise UnknownCapsule(f"no fleet capsule {capsule_id}")
+        with self._stats_lock:
+            self._held.discard(capsule_id)
         if word == "not_held":
             raise UnknownCapsule(f"fleet capsule {capsule_id} holds no reference of node {self.config.node!r}")
         return word == "gone"
+
+    def took_reference(self, capsule_id: str) -> bool:
+        """Whether this client took a reference on ``capsule_id`` (a publish or a hold) and has
+        not dropped it: a local answer, with no call to the server. A reference of this node
+        taken by another client (an earlier run) is not known here."""
+        with self._stats_lock:
+            return capsule_id in self._held
 
     # ---- collection ------------------------------------------------------------------------------
     def collect(self) -> Collected:

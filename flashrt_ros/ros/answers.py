@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from ..capsule import CapsuleInfo
-from ..capsule.errors import UnknownCapsule
+from ..capsule.errors import CapsuleError, UnknownCapsule
 from ..errors import InvalidArgument, shown
 from ..serving import Session
 from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT
@@ -140,7 +140,9 @@ def listed(request: Any, response: Any, call: Call) -> Answer:
 
 def drop(request: Any, response: Any, call: Call) -> Answer:
     """The capsule goes from this node's tiers, and this node's reference on it from the fleet
-    (when it holds one): UNKNOWN_CAPSULE only if neither had it."""
+    when this run of the node took one, or when no local tier had it (a reference an earlier run
+    took): UNKNOWN_CAPSULE only if neither had it. A local drop asks the server nothing else, and
+    a local drop done stands when the fleet cannot be asked: the answer says so."""
     try:
         info = _apply(DROP, request, call).value
     except UnknownCapsule:
@@ -148,12 +150,16 @@ def drop(request: Any, response: Any, call: Call) -> Answer:
             raise
         info = None
     response.capsule_id = info.id if info is not None else request.capsule_id
-    if call.fleet is not None:
+    if call.fleet is not None and (info is None or call.fleet.took_reference(info.id)):
         try:
             last = call.fleet.drop(response.capsule_id)
         except UnknownCapsule:
             if info is None:
                 raise
+        except CapsuleError as exc:
+            if info is None:
+                raise
+            return info, f"ok here; this node's reference on the fleet, if any, is not dropped: {exc}", None
         else:
             return info, f"ok: this node's reference on the fleet dropped{' (the last one)' if last else ''}", None
     return info, "", None
