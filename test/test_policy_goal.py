@@ -90,6 +90,53 @@ def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_contex
         h.close()
 
 
+def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context):
+    from geometry_msgs.msg import Pose, PoseArray
+    from trajectory_msgs.msg import JointTrajectory
+
+    from flashrt_ros.serving.journal import Journal
+
+    h = Harness(ros_context, GOAL_MODE)
+    try:
+        journal = Journal()
+        h.node.session.journal = journal
+        commands = []
+        heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 50)
+        routes = h.client.create_publisher(PoseArray, "/flashrt/route", 10)
+        joints, poses = h.policy_publishers()
+        _until(lambda: routes.get_subscription_count() > 0 and heard.get_publisher_count() > 0, what="matched")
+
+        def step(t: float) -> None:
+            pose, state = _messages(h, t)
+            n = len(commands)
+            poses.publish(pose)
+            time.sleep(0.1)
+            joints.publish(state)
+            _until(lambda: len(commands) == n + 1, what=f"the command answering t={t}")
+
+        step(1.0)
+        route = PoseArray()
+        route.header.frame_id = "base_link"
+        for x, y in ((0.3, 0.1), (-0.2, 0.4)):
+            pose = Pose()
+            pose.position.x, pose.position.y = x, y
+            route.poses.append(pose)
+        routes.publish(route)
+        _until(lambda: h.node.engine.position == 0, what="the route restores the episode start")
+        for k in range(3):
+            step(10.0 + k)
+        steps = [e for e in journal.entries if e.kind == "step"]
+        assert [s.request["observation"][-4:] for s in steps[-3:]] == [
+            pytest.approx([0.3, 0.1, 0.0, 1.0]), pytest.approx([-0.2, 0.4, 0.0, 1.0]), [0.0] * 4]
+
+        rejected = h.node.report.counters["rejected_observations"]
+        routes.publish(PoseArray(header=route.header))   # no poses: refused, the episode goes on
+        _until(lambda: h.node.report.counters["rejected_observations"] > rejected, what="a refusal")
+        assert h.node.engine.position == 3
+    finally:
+        h.close()
+
+
 def test_a_full_context_is_said_once_with_context_full(ros_context):
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 

@@ -3,7 +3,9 @@
 In:  ~/ee_pose (PoseStamped) and ~/joint_states (JointState), with the QoS reliability of
      ``policy.input_reliability``: best_effort also takes sensor-data publishers, reliable
      only reliable ones; with ``policy.goal``, ~/goal (PoseStamped, reliable), taken into the
-     next observation only. Poses and goals in another frame than ``policy.frame_id`` are refused.
+     next observation only, and ~/route (PoseArray, reliable): its poses taken into the next
+     observations, one per step, in order (a task given once, as a sequence of targets). Poses,
+     goals and routes in another frame than ``policy.frame_id`` are refused.
 Out: ~/action (JointTrajectoryPoint, the action vector as the engine gave it) and, when the
      action is a position per joint, ~/joint_trajectory (JointTrajectory): the command a
      ros2_control joint_trajectory_controller (or the simulated arm) takes, with the joint
@@ -11,7 +13,7 @@ Out: ~/action (JointTrajectoryPoint, the action vector as the engine gave it) an
      state's (a simulator matches the two, and can check the command's age), with "zero" it
      is unstamped (start now, as joint_trajectory_controller reads a zero stamp).
 
-With ``policy.goal`` each goal starts an episode: the state is restored from the capsule made
+With ``policy.goal`` each goal or route starts an episode: the state is restored from the capsule made
 at configure, before anything was committed ("episode-start", pinned), so that a robot can run
 for hours while every episode's context stays within max_seq_len. When the state is full
 anyway, the step is refused with CONTEXT_FULL, said once per filling on ~/events and at ERROR
@@ -20,11 +22,12 @@ on /diagnostics, until a restore, rollback or goal frees it.
 from __future__ import annotations
 
 import math
+from collections import deque
 import threading
 import traceback
 from typing import Any, Callable
 
-from geometry_msgs.msg import PoseStamped
+from geometry_msgs.msg import PoseArray, PoseStamped
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -57,7 +60,7 @@ class PolicyIO:
         self._frame = vals["policy.frame_id"]
         self._goal_mode = bool(vals["policy.goal"])
         self._latest_pose: PoseStamped | None = None
-        self._goal: tuple[float, float, float] | None = None
+        self._goals: deque[tuple[float, float, float]] = deque()   # one per step, the first next
         self._episode_id = ""   # the capsule each goal restores (start_episodes)
         self._stamp_commands = vals["policy.command_stamp"] == "observation"
         self._full = False
@@ -75,6 +78,7 @@ class PolicyIO:
         self._io.create_subscription(JointState, topic("~/joint_states"), self._on_joint_state, qos)
         if self._goal_mode:
             self._io.create_subscription(PoseStamped, topic("~/goal"), self._on_goal, 10)
+            self._io.create_subscription(PoseArray, topic("~/route"), self._on_route, 10)
         self._action = self._io.create_publisher(JointTrajectoryPoint, topic("~/action"), 10)
         self._trajectory = (self._io.create_publisher(JointTrajectory, topic("~/joint_trajectory"), 10)
                             if vals["policy.action_dim"] == len(self.joint_names) else None)
@@ -114,24 +118,34 @@ class PolicyIO:
 
     def _on_goal(self, msg: PoseStamped) -> None:
         self._record("~/goal", msg)
+        self._start_episode(msg, "~/goal", [msg.pose])
+
+    def _on_route(self, msg: PoseArray) -> None:
+        self._record("~/route", msg)
+        if not msg.poses:
+            self._reject("route refused: it has no poses")
+            return
+        self._start_episode(msg, "~/route", list(msg.poses))
+
+    def _start_episode(self, msg: Any, topic: str, poses: list) -> None:
+        """Restore the episode-start capsule, then take ``poses`` into the next steps, one each."""
         node = self._node
         session = node.session
-        if not node.serving or session is None or not self._in_frame(msg, "~/goal"):
+        if not node.serving or session is None or not self._in_frame(msg, topic):
             return
-        p = msg.pose.position
-        goal = (float(p.x), float(p.y), float(p.z))
-        if not all(math.isfinite(v) for v in goal):
-            self._reject(f"goal refused: its position {goal} is not finite")
+        goals = [(float(p.position.x), float(p.position.y), float(p.position.z)) for p in poses]
+        if not all(math.isfinite(v) for goal in goals for v in goal):
+            self._reject(f"{topic} refused: a position is not finite")
             return
         try:
             session.restore(self._episode_id)
         except FlashRTError as exc:   # the capsule dropped by a client, say: the live state is untouched
-            self._reject(f"goal refused: {outcome(exc)[1]}")
+            self._reject(f"{topic} refused: {outcome(exc)[1]}")
             return
         except Exception as exc:  # a goal must never take the node down
-            self._node.get_logger().error(f"goal failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
+            self._node.get_logger().error(f"{topic} failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
             return
-        self._goal, self._full = goal, False
+        self._goals, self._full = deque(goals), False
 
     def _on_joint_state(self, msg: JointState) -> None:
         self._record("~/joint_states", msg)
@@ -142,7 +156,7 @@ class PolicyIO:
         try:
             obs = paired(self.joint_names, msg, self._latest_pose, self.max_pose_age)
             if self._goal_mode:
-                obs = with_goal(obs, self._goal)
+                obs = with_goal(obs, self._goals[0] if self._goals else None)
             with session.engine.lock:
                 # Checked under the engine lock, which a goal holds for each token it commits:
                 # a step now would land between two of its tokens, inside the text it returns.
@@ -162,7 +176,9 @@ class PolicyIO:
         except Exception as exc:  # a bad observation must never take the node down
             node.get_logger().error(f"policy step failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
             return
-        self._goal, self._full = None, False
+        if self._goals:
+            self._goals.popleft()
+        self._full = False
         self._on_step()
         self._publish(action.double().tolist(), msg)
 

@@ -2,7 +2,8 @@
 on its own topic with its real ROS type, stamped by the node's clock (sim time under use_sim_time).
 
 Topics besides the journal's two:
-  the observation topics   sensor_msgs/JointState and geometry_msgs/PoseStamped, as received
+  the observation topics   sensor_msgs/JointState and geometry_msgs/PoseStamped, and ~/goal
+                           (PoseStamped) and ~/route (PoseArray), as received
   the action topic         trajectory_msgs/JointTrajectoryPoint, as published
   ~/events                 flashrt_ros/CapsuleEvent, as published
   <service>/_service_event flashrt_ros/srv/<Srv>_Event: a REQUEST_RECEIVED event with the request and
