@@ -6,6 +6,8 @@ Publishes, stamped with simulation time, once per control period:
   /clock         rosgraph_msgs/Clock, so that nodes run with use_sim_time
   ~/episode_goal geometry_msgs/PoseStamped, transient local: the goal of the episode, for the
                  task giver (a behaviour tree) and the scripted expert; a policy never reads it
+  ~/episode_route geometry_msgs/PoseArray, transient local, with ``task`` "route": the
+                 episode's waypoints in order (``sim.waypoints``), for observers
 Takes joint_trajectory (trajectory_msgs/JointTrajectory): what joint_trajectory_controller of
 ros2_control takes, chosen over a forward controller's Float64MultiArray because it names its
 joints and carries a stamp, so that a command can be checked against the arm and its age. The
@@ -18,7 +20,8 @@ A command of more than ``max_command_bytes`` serialized bytes is refused before 
 parsed (rclpy would build every point as a Python object, holding the executor meanwhile); its
 stamp is not read, so in lockstep it answers nothing.
 
-Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` at rest; ~/jam
+Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` (of the task
+``task``: the reaching task's, or the waypoint task's route) at rest; ~/jam
 (std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it. Each answers
 success=false with the reason rather than raise.
 
@@ -41,7 +44,7 @@ import time
 from typing import Any, Callable
 
 from builtin_interfaces.msg import Time
-from geometry_msgs.msg import PoseStamped
+from geometry_msgs.msg import Pose, PoseArray, PoseStamped
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.serialization import deserialize_message
@@ -54,6 +57,7 @@ from trajectory_msgs.msg import JointTrajectory
 from ..errors import InvalidArgument
 from ..sim.arm import JOINT_NAMES, Arm, ArmState
 from ..sim.task import Episode
+from ..sim.waypoints import Route
 from .params import Param, check, declare_all
 from .spinning import run_node
 
@@ -87,6 +91,8 @@ class SimNode(Node):
         self._pose = self.create_publisher(PoseStamped, "ee_pose", 10)
         self._clock_out = self.create_publisher(Clock, "/clock", 10)
         self._goal = self.create_publisher(PoseStamped, "~/episode_goal", _LATCHED)
+        self._route = self.create_publisher(PoseArray, "~/episode_route", _LATCHED)
+        self._task = self.get_parameter("task").value
         self.create_subscription(JointTrajectory, "joint_trajectory", self._on_raw_command, 10, raw=True)
         self.create_service(Trigger, "~/reset", self._on_reset)
         self.create_service(SetBool, "~/jam", self._on_jam)
@@ -103,15 +109,18 @@ class SimNode(Node):
     def _reset(self, publish: bool = True) -> None:
         """The episode of parameter ``seed``, at rest: its goal published, and its first state
         unless ``publish`` is false (lockstep before the first ~/reset: no state goes out)."""
-        episode = Episode.sample(int(self.get_parameter("seed").value))
+        seed, frame = int(self.get_parameter("seed").value), self.get_parameter("frame_id").value
+        episode = Route.sample(seed) if self._task == "route" else Episode.sample(seed)
         with self._lock:
             state = self.arm.reset(episode.start)
-            goal = PoseStamped()
-            goal.header.frame_id = self.get_parameter("frame_id").value
-            goal.header.stamp = stamp_of(0.0)
-            goal.pose.position.x, goal.pose.position.y, goal.pose.position.z = (float(v) for v in episode.goal)
-            goal.pose.orientation.w = 1.0
-            self._goal.publish(goal)
+            if self._task == "route":
+                route = PoseArray(poses=[_pose(p) for p in episode.waypoints])
+                route.header.frame_id, route.header.stamp = frame, stamp_of(0.0)
+                self._route.publish(route)
+            else:
+                goal = PoseStamped(pose=_pose(episode.goal))
+                goal.header.frame_id, goal.header.stamp = frame, stamp_of(0.0)
+                self._goal.publish(goal)
             if publish:
                 self._state = state
                 self._publish(state)
@@ -208,6 +217,8 @@ class SimNode(Node):
 
 PARAMS = (
     Param("seed", 0, "episode that ~/reset starts (its start pose and goal)", read_only=False, lo=0, hi=2**31 - 1),
+    Param("task", "reach", "the episodes ~/reset starts: the reaching task's (a goal) or the waypoint task's "
+          "(a route)", choices=("reach", "route")),
     Param("speed", 1.0, "multiple of real time the timer steps at (lockstep false)", lo=1e-3, hi=1e3),
     Param("lockstep", False, "step a control period once a command answers the latest state"),
     Param("frame_id", "base_link", "frame of ~/ee_pose and ~/episode_goal (not empty)", read_only=False),
@@ -221,7 +232,16 @@ PARAMS = (
 
 
 def _reason(name: str, value: Any) -> str:
+    if name == "task" and value not in ("reach", "route"):
+        return f"{value!r} is not reach or route"
     return "must not be empty" if name == "frame_id" and not value else ""
+
+
+def _pose(point: Any) -> Pose:
+    pose = Pose()
+    pose.position.x, pose.position.y, pose.position.z = (float(v) for v in point)
+    pose.orientation.w = 1.0
+    return pose
 
 
 def _answer(response: Any, act: Callable[[], None], done: str) -> Any:

@@ -1,0 +1,223 @@
+"""The waypoint task in the simulation, interrupted and resumed, as a behaviour tree over ROS:
+
+  give the route -> start the episode -> Interruptible(follow the route,
+                                                       urgent: go to the operator's point and hold)
+
+The simulated arm (``flashrt_sim`` with task "route", lockstep) and the policy node
+(``flashrt_node`` with policy.goal) run the loop between them: every joint state is one policy
+step, every command one control period. The route goes to the policy once (~/route: a waypoint
+per step on the first steps of the episode); the operator's request arrives as the blackboard's
+``interrupt`` at a control period of the episode (``Operator``), and its point goes to the
+policy as a goal, which the node serves in a fresh context (the episode-start capsule). The tree
+judges visits from the end effector's pose, as ``sim.waypoints.Progress`` does in process. The
+tree draws the episode's route from its seed (``sim.waypoints.Route``), as the simulation draws
+the arm's start: the route must reach the policy before the arm's first state does.
+
+``resume="full"`` is the pattern (``bt.interruptible``): a snapshot when the request arrives, a
+restore when it is served. ``resume="none"`` serves it the same way with no snapshot and no
+restore (the ablation's row (d)).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import py_trees
+from geometry_msgs.msg import Pose, PoseArray, PoseStamped
+from py_trees.common import Access, Status
+from py_trees.composites import Sequence as Seq
+from sensor_msgs.msg import JointState
+from std_srvs.srv import Trigger
+
+from ..sim.interruption import URGENT_MAX_PERIODS
+from ..sim.waypoints import PERIODS_PER_WAYPOINT, VISIT_RADIUS_M, Route
+from .interruptible import Interruptible
+from .reach import _Call, _Until
+
+INTERRUPT_KEY = "interrupt"
+
+
+class RouteWorld:
+    """What the tree sees of the simulation: the episode's route, the arm's control periods, the
+    end effector's positions since a behaviour last took them, and the waypoints visited (by
+    whichever follower judged them)."""
+
+    def __init__(self, node: Any, sim: str, server: str, frame_id: str = "base_link") -> None:
+        self.node, self.frame_id = node, frame_id
+        self.route: PoseArray | None = None
+        self.periods = 0
+        self.visited = 0
+        self._positions: list[np.ndarray] = []
+        node.create_subscription(JointState, f"{server}/joint_states", self._on_state, 100)
+        node.create_subscription(PoseStamped, f"{server}/ee_pose", self._on_pose, 100)
+        self.route_out = node.create_publisher(PoseArray, f"{server}/route", 10)
+        self.goal_out = node.create_publisher(PoseStamped, f"{server}/goal", 10)
+        self.reset = node.create_client(Trigger, f"{sim}/reset")
+
+    def new_episode(self, route: Route) -> None:
+        """The episode of ``route``: nothing visited, nothing seen yet."""
+        self.route = PoseArray(poses=[_pose(p) for p in route.waypoints])
+        self.route.header.frame_id = self.frame_id
+        self.visited = 0
+        self.take_positions()
+
+    def _on_state(self, msg: JointState) -> None:
+        self.periods += 1
+
+    def _on_pose(self, msg: PoseStamped) -> None:
+        p = msg.pose.position
+        self._positions.append(np.array([p.x, p.y]))
+
+    def take_positions(self) -> list[np.ndarray]:
+        """The end effector's positions (x, y) published since the last take, oldest first."""
+        taken, self._positions = self._positions, []
+        return taken
+
+    def waypoints(self) -> list[np.ndarray]:
+        return [np.array([p.position.x, p.position.y]) for p in self.route.poses]
+
+
+class FollowRoute(py_trees.behaviour.Behaviour):
+    """Let the policy drive; each waypoint is visited when the end effector comes within the
+    visit radius of it, in order. SUCCESS once all are; FAILURE when the waypoints left are not
+    all visited within ``PERIODS_PER_WAYPOINT`` periods each from when this run began, or when
+    the arm stops stepping. Visits are the world's: they carry over a halt (an interruption)."""
+
+    def __init__(self, name: str, world: RouteWorld, stall_s: float = 10.0) -> None:
+        super().__init__(name)
+        self.world, self.stall_s = world, stall_s
+
+    def initialise(self) -> None:
+        self.world.take_positions()   # what the arm did while this did not run is not judged
+        left = len(self.world.route.poses) - self.world.visited
+        self._until = self.world.periods + PERIODS_PER_WAYPOINT * left
+        self._seen, self._deadline = self.world.periods, time.monotonic() + self.stall_s
+
+    def update(self) -> Status:
+        world, waypoints = self.world, self.world.waypoints()
+        for position in world.take_positions():
+            if world.visited < len(waypoints) and np.linalg.norm(position - waypoints[world.visited]) < VISIT_RADIUS_M:
+                world.visited += 1
+        if world.visited == len(waypoints):
+            self.feedback_message = f"all {len(waypoints)} waypoints visited"
+            return Status.SUCCESS
+        periods = self.world.periods
+        if periods >= self._until:
+            self.feedback_message = f"{world.visited} of {len(waypoints)} waypoints visited in time"
+            return Status.FAILURE
+        if periods != self._seen:   # stepping: the stall clock starts again
+            self._seen, self._deadline = periods, time.monotonic() + self.stall_s
+        elif time.monotonic() > self._deadline:
+            self.feedback_message = f"the arm stopped stepping ({self.stall_s:g} s without a control period)"
+            return Status.FAILURE
+        return Status.RUNNING
+
+
+class Urgent(py_trees.behaviour.Behaviour):
+    """The operator's request: ``point`` to the policy as a goal, then SUCCESS once the end
+    effector has been within the visit radius of it for ``hold`` periods since it first came
+    there, or after ``URGENT_MAX_PERIODS`` periods (the tree gives up on it)."""
+
+    def __init__(self, name: str, world: RouteWorld, point: Any, hold: int) -> None:
+        super().__init__(name)
+        self.world, self.point, self.hold = world, np.asarray(point, dtype=float), hold
+        self.periods_taken = 0
+
+    def initialise(self) -> None:
+        goal = PoseStamped(pose=_pose(self.point))
+        goal.header.frame_id = self.world.frame_id
+        self.world.take_positions()
+        self.world.goal_out.publish(goal)
+        self._start, self._arrived = self.world.periods, None
+
+    def update(self) -> Status:
+        for position in self.world.take_positions():
+            if self._arrived is None and np.linalg.norm(position - self.point[:2]) < VISIT_RADIUS_M:
+                self._arrived = self.world.periods
+        self.periods_taken = self.world.periods - self._start
+        held = self._arrived is not None and self.world.periods - self._arrived >= self.hold
+        if held or self.periods_taken >= URGENT_MAX_PERIODS:
+            self.feedback_message = "held there" if held else "given up on"
+            return Status.SUCCESS
+        return Status.RUNNING
+
+
+class Operator:
+    """Sets the blackboard's ``interrupt`` once the episode has run ``period`` control periods."""
+
+    def __init__(self, world: RouteWorld, period: int) -> None:
+        self.world, self.period = world, period
+        self.start: int | None = None
+        self.flag = py_trees.blackboard.Client(name="operator")
+        self.flag.register_key(INTERRUPT_KEY, access=Access.WRITE)
+        self.flag.set(INTERRUPT_KEY, False)
+        self.fired = False
+
+    def __call__(self) -> None:
+        if self.start is None or self.fired:
+            return
+        if self.world.periods - self.start >= self.period:
+            self.flag.set(INTERRUPT_KEY, True)
+            self.fired = True
+
+
+def _pose(point: Any) -> Pose:
+    pose = Pose()
+    pose.position.x, pose.position.y, pose.position.z = (float(v) for v in point)
+    pose.orientation.w = 1.0
+    return pose
+
+
+def give_route(world: RouteWorld) -> _Until:
+    """Publish the episode's route to the policy, once (it starts the policy's episode)."""
+    def publish() -> None:
+        world.route_out.publish(world.route)
+
+    return _Until("give the route", lambda: world.route is not None and world.route_out.get_subscription_count() > 0,
+                  then=publish)
+
+
+def start_episode(world: RouteWorld, operator: Operator) -> py_trees.behaviour.Behaviour:
+    """Reset the arm to the episode's start; the operator counts periods from here."""
+    class Start(_Call):
+        def update(self) -> Status:
+            status = super().update()
+            if status == Status.SUCCESS:
+                operator.start = world.periods
+            return status
+
+    return Start("start the episode", world.reset, Trigger.Request())
+
+
+def route_episode(node: Any, world: RouteWorld, operator: Operator, point: Any, hold: int,
+                  resume: str, server: str = "/flashrt") -> tuple[py_trees.behaviour.Behaviour, FollowRoute, Urgent]:
+    """One interrupted episode's tree, its route follower and its urgent request."""
+    follow, urgent = FollowRoute("follow the route", world), Urgent("urgent: go and hold", world, point, hold)
+    if resume == "full":
+        served = Interruptible("route", node, follow, urgent, interrupt_key=INTERRUPT_KEY, server=server)
+    elif resume == "none":
+        served = Seq("route, urgent, route (no restore)", memory=True, children=[
+            _UntilInterrupt(follow), urgent, FollowRoute("follow the route again", world)])
+    else:
+        raise ValueError(f"resume over ROS is 'full' or 'none', got {resume!r}")
+    root = Seq("waypoint episode", memory=True, children=[give_route(world),
+                                                        start_episode(world, operator), served])
+    return root, follow, urgent
+
+
+class _UntilInterrupt(py_trees.decorators.Decorator):
+    """Its child until the blackboard's ``interrupt`` turns true (then SUCCESS: the child is
+    halted); the child's own end otherwise. The follower's visits carry over to the next one."""
+
+    def __init__(self, child: FollowRoute) -> None:
+        super().__init__(name=f"{child.name} until interrupted", child=child)
+        self.flag = self.attach_blackboard_client(name="until interrupted")
+        self.flag.register_key(INTERRUPT_KEY, access=Access.READ)
+
+    def update(self) -> Status:
+        if self.flag.exists(INTERRUPT_KEY) and self.flag.get(INTERRUPT_KEY):
+            self.decorated.stop(Status.INVALID)
+            return Status.SUCCESS
+        return self.decorated.status
+

@@ -1,0 +1,171 @@
+"""The waypoint task's resume over ROS: flashrt_sim (task "route", lockstep) and flashrt_node
+(the trained waypoint policy, journaling) in processes of their own, and the tree of
+``bt.route`` in this one, taking the snapshot when the operator's request arrives.
+
+For each held-out episode, twice: resumed from the tree's snapshot (row (a)), and with no
+restore (row (d)). Each episode draws its route, its interruption period, point and hold as the
+in-process ablation does (``sim.interruption.Interrupted``). The node's journal bag is then
+replayed (flashrt-replay), exact on this machine.
+
+    python -m flashrt_ros.demo.resume [--episodes 20] [--out demo_out]   (under make demo's environment)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..resources import package_file
+from ..sim.interruption import Interrupted
+from ..sim.resume_ablation import ABLATION_SEEDS, wilson
+from ..sim.train_resume_policy import DEFAULT_OUT
+from ..sim.waypoints import PERIODS_PER_WAYPOINT
+from .reach import WIRING, _stop, _wait_for_policy
+
+SIM = "/flashrt_sim"
+RESUMES = {"full": "(a) full restore, the tree's snapshot", "none": "(d) no restore"}
+
+
+@dataclass
+class OverRos:
+    """Per resume: the episodes' outcomes (seed, success); the journal bag and its replay."""
+    outcomes: dict[str, list[tuple[int, bool]]] = field(default_factory=lambda: {r: [] for r in RESUMES})
+    failures: list[str] = field(default_factory=list)   # episodes whose tree did not run to a verdict
+    bag: Path | None = None
+    replay_exit: int | None = None
+    replay_tail: str = ""
+
+    def table(self) -> str:
+        lines = [f"  {'resume over ROS':<38} {'success':>9} {'95% interval':>16}"]
+        for resume, label in RESUMES.items():
+            n, k = len(self.outcomes[resume]), sum(ok for _, ok in self.outcomes[resume])
+            lo, hi = wilson(k, n) if n else (0.0, 0.0)
+            lines.append(f"  {label:<38} {k:>4}/{n:<4} [{lo:5.1%}, {hi:5.1%}]")
+        return "\n".join(lines)
+
+
+def run(out: Path, episodes: int = 20, policy: Path = DEFAULT_OUT) -> OverRos:
+    """Both rows over ROS (see the module docstring); the caller sets the ROS domain."""
+    import rclpy
+    from rclpy.context import Context
+
+    result, env, procs, context = OverRos(), dict(os.environ), [], Context()
+    journals = out / "resume_journal"
+    with open(out / "resume_nodes.log", "w") as logs:
+        try:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true",
+                 "-p", "task:=route", *WIRING], stdout=logs, stderr=subprocess.STDOUT, env=env))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
+                 str(package_file("config/reach_sim.yaml")), "-p", f"model_path:={policy}",
+                 "-p", f"journal_path:={journals}", "--log-level", "warn"],
+                stdout=logs, stderr=subprocess.STDOUT, env=env))
+            rclpy.init(context=context)
+            _drive(context, result, range(ABLATION_SEEDS.start, ABLATION_SEEDS.start + episodes))
+        finally:
+            context.try_shutdown()
+            _stop(procs)
+    bags = sorted(journals.glob("session-*"))
+    if bags:
+        result.bag = bags[-1]
+        done = subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", str(result.bag)], capture_output=True,
+                              text=True, env=env, timeout=900)
+        result.replay_exit, result.replay_tail = done.returncode, (done.stdout + done.stderr)[-1500:]
+    return result
+
+
+def _drive(context, result: OverRos, seeds: range) -> None:
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+    from rclpy.parameter_client import AsyncParameterClient
+
+    from ..bt.route import RouteWorld
+
+    client = rclpy.create_node("resume_demo", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(client)
+    threading.Thread(target=executor.spin, daemon=True).start()
+    try:
+        world = RouteWorld(client, SIM, "/flashrt")
+        sim_params = AsyncParameterClient(client, SIM)
+        _wait_for_policy(client)
+        if not sim_params.wait_for_services(timeout_sec=60):
+            raise TimeoutError(f"{SIM}'s parameter services did not come up")
+        for seed in seeds:
+            future = sim_params.set_parameters([Parameter("seed", Parameter.Type.INTEGER, seed)])
+            _wait(future, 10)
+            for resume in RESUMES:
+                verdict = _episode(client, world, Interrupted.sample(seed), resume)
+                if verdict is None:
+                    result.failures.append(f"seed {seed}, {resume}")
+                else:
+                    result.outcomes[resume].append((seed, verdict))
+    finally:
+        executor.shutdown()
+        client.destroy_node()
+
+
+def _episode(node, world, episode: Interrupted, resume: str) -> bool | None:
+    """One episode's tree run to its end: whether the route was done (None: no verdict)."""
+    import py_trees
+    from py_trees.common import Status
+
+    from ..bt.route import Operator, route_episode
+
+    py_trees.blackboard.Blackboard.clear()
+    world.new_episode(episode.route)
+    operator = Operator(world, episode.period)
+    root, _, _ = route_episode(node, world, operator, episode.point, episode.hold, resume)
+    tree = py_trees.trees.BehaviourTree(root)
+    tree.setup(timeout=15.0)
+    budget_s = 60.0 + 0.5 * PERIODS_PER_WAYPOINT * len(episode.route.waypoints) * 3
+    deadline = time.monotonic() + budget_s
+    try:
+        while time.monotonic() < deadline:
+            operator()
+            tree.tick()
+            if root.status == Status.SUCCESS:
+                return True
+            if root.status == Status.FAILURE:
+                tip = root.tip()
+                # A route not done in time is the verdict; anything else is no verdict at all.
+                return False if tip is not None and tip.name.startswith("follow the route") else None
+            time.sleep(0.002)
+        return None
+    finally:
+        root.stop(Status.INVALID)
+        tree.shutdown()
+
+
+def _wait(future, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not future.done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("no answer from the simulation's parameter service")
+        time.sleep(0.005)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--episodes", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("demo_out"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run(args.out, args.episodes)
+    print(result.table())
+    if result.failures:
+        print(f"  no verdict: {', '.join(result.failures)}")
+    if result.bag is not None:
+        print(f"  journal {result.bag.name}: flashrt-replay exit {result.replay_exit}")
+    return 0 if result.replay_exit == 0 and not result.failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
