@@ -6,6 +6,7 @@
 #   make demo    python -m flashrt_ros.demo: the robot scenario over ROS 2 (installed package)
 #   make bench   python -m flashrt_ros.bench (installed package)
 #   make train-policy  retrain data/policies/reach_arm from its seed (a few minutes)
+#   make train-resume-policy  retrain data/policies/waypoints_arm, the waypoint task's (under 20 minutes)
 #   make spec-model    train build/spec_model, the byte model and MTP head the speculative
 #                benchmark measures (about 17 minutes; make bench makes it when missing)
 #   make spec-tiny     retrain data/spec_tiny, the small one the tests use (about 6 minutes)
@@ -101,10 +102,10 @@ set +eu; . "$(CURDIR)/install/setup.sh"; set -eu
 export PYTHONSAFEPATH=1
 endef
 
-.PHONY: help setup test demo bench train-policy spec-model spec-tiny clean distclean freeze info
+.PHONY: help setup test demo bench train-policy train-resume-policy spec-model spec-tiny clean distclean freeze info
 
 help:
-	@sed -n '3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,12p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 info:
 	@echo "mode=$(ROS_MODE) key=$(SETUP_KEY) system_prefix=$(SYSTEM_ROS_PREFIX)"
@@ -251,6 +252,11 @@ train-policy: setup
 	@$(ACTIVATE)
 	$(SOURCE_INSTALL)
 	python -m flashrt_ros.sim.train_policy $(ARGS)
+
+train-resume-policy: setup
+	@$(ACTIVATE)
+	$(SOURCE_INSTALL)
+	python -m flashrt_ros.sim.train_resume_policy $(ARGS)
 
 freeze:
 	@test -x "$(VENV)/bin/python" || { echo "no .venv: run make setup first" >&2; exit 2; }
