@@ -18,11 +18,13 @@ def test_demo_runs_every_step_and_writes_its_pictures(tmp_path):
     env = dict(os.environ)
     env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)  # the demo sets LOCALHOST for both of its processes
     run = subprocess.run([sys.executable, "-m", "flashrt_ros.demo", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=420, env=env)
+                         text=True, timeout=1200, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "demo OK" in run.stdout and "FAILED" not in run.stdout
     assert "faster" in run.stdout and "tokens/s" in run.stdout
     assert "retry success over N=20 episodes" in run.stdout and "over ROS, the tree: SUCCESS" in run.stdout
-    for picture in ("timeline.png", "ttft.png", "retry_paths.png"):
+    assert "resume after an urgent request, N=50" in run.stdout and "agent resume on data/spec_tiny" in run.stdout
+    assert "(a) full restore, the tree's snapshot" in run.stdout and "flashrt-replay exit 0 (exact), 0" in run.stdout
+    for picture in ("timeline.png", "ttft.png", "retry_paths.png", "resume_ablation.png", "agent_resume.png"):
         data = (tmp_path / picture).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -10,11 +10,14 @@ drives it over DDS, the way a robot's executive would:
  5. end the session by restoring the task-start capsule instead of
     prefilling the context again, and compare the time to first token;
  6. the trained reaching policy in the simulated arm (demo.reach): the retry
-    ablation, and a behaviour tree that rolls the policy back after a jam.
+    ablation, and a behaviour tree that rolls the policy back after a jam;
+ 7. interrupt and resume (demo.resume): the waypoint policy's resume ablation and an
+    agent's on data/spec_tiny, in process; then the waypoint task over ROS, the tree
+    snapshotting when the operator's request arrives.
 
 It prints one line per operation and a table at the end. It writes
-timeline.png, ttft.png and retry_paths.png to --out, and exits non-zero if any
-step fails.
+timeline.png, ttft.png, retry_paths.png, resume_ablation.png and agent_resume.png
+to --out, and exits non-zero if any step fails.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..resources import package_file
-from . import reach
+from . import reach, resume
 from .charts import timeline, ttft_bars
 
 CONTEXT_TOKENS = 4000
@@ -310,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n==> the trained reaching policy in the simulation (flashrt_sim, MuJoCo)")
     if not reach.run_scenario(out):
         print("\ndemo FAILED: the reaching scenario (see above)", file=sys.stderr)
+        return 1
+    print("\n==> interrupted, then resumed: the waypoint policy, and an agent on data/spec_tiny")
+    if not resume.run_scenario(out):
+        print("\ndemo FAILED: the resume scenario (see above)", file=sys.stderr)
         return 1
     print("\ndemo OK")
     return 0

@@ -39,6 +39,7 @@ class OverRos:
     bag: Path | None = None
     replay_exit: int | None = None
     replay_tail: str = ""
+    portable_exit: int | None = None   # the same replay at other torch kernels, judged portable
 
     def table(self) -> str:
         lines = [f"  {'resume over ROS':<38} {'success':>9} {'95% interval':>16}"]
@@ -74,9 +75,14 @@ def run(out: Path, episodes: int = 20, policy: Path = DEFAULT_OUT) -> OverRos:
     bags = sorted(journals.glob("session-*"))
     if bags:
         result.bag = bags[-1]
-        done = subprocess.run([sys.executable, "-m", "flashrt_ros.replay.cli", str(result.bag)], capture_output=True,
-                              text=True, env=env, timeout=900)
+        replay = [sys.executable, "-m", "flashrt_ros.replay.cli", str(result.bag)]
+        done = subprocess.run(replay, capture_output=True, text=True, env=env, timeout=900)
         result.replay_exit, result.replay_tail = done.returncode, (done.stdout + done.stderr)[-1500:]
+        # torch's generic kernels, whatever this CPU has: another platform, as far as replay can tell.
+        other = dict(env, ATEN_CPU_CAPABILITY="default")
+        done = subprocess.run([*replay, "--verdict", "portable"], capture_output=True, text=True, env=other,
+                              timeout=900)
+        result.portable_exit = done.returncode
     return result
 
 
@@ -150,6 +156,32 @@ def _wait(future, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("no answer from the simulation's parameter service")
         time.sleep(0.005)
+
+
+def run_scenario(out: Path, episodes: int = 50, ros_episodes: int = 20, contexts: int = 20) -> bool:
+    """make demo, last part: the resume ablation in process (both tables, their pictures), then
+    the resume over ROS; whether the journal replayed, exact and portable."""
+    from ..bench import agent_resume
+    from ..sim import resume_ablation
+
+    started = time.monotonic()
+    table = resume_ablation.run(DEFAULT_OUT, range(ABLATION_SEEDS.start, ABLATION_SEEDS.start + episodes))
+    print(table.table())
+    print(f"  wrote {resume_ablation.draw(table, out)}  ({time.monotonic() - started:.0f} s in-process)")
+    started = time.monotonic()
+    agent = agent_resume.run(contexts)
+    print("\n" + agent.table())
+    print(f"  wrote {agent_resume.draw(agent, out / 'agent_resume.png')}  ({time.monotonic() - started:.0f} s)")
+    started = time.monotonic()
+    ros = run(out, ros_episodes)
+    print("\n" + ros.table())
+    if ros.failures:
+        print(f"  no verdict over ROS: {', '.join(ros.failures)}")
+    print(f"  over ROS: {time.monotonic() - started:.0f} s, nodes' log {out / 'resume_nodes.log'}")
+    if ros.bag is not None:
+        print(f"  its journal {ros.bag.name}: flashrt-replay exit {ros.replay_exit} (exact), "
+              f"{ros.portable_exit} (portable, at torch's default kernels)")
+    return ros.replay_exit == 0 and ros.portable_exit == 0 and not ros.failures
 
 
 def main(argv: list[str] | None = None) -> int:
