@@ -70,25 +70,48 @@ def run(url: str | None, prefixes: tuple[int, ...], rounds: int, lineage: int = 
 
 
 def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, step: int, cfg: ModelConfig) -> dict:
-    key = secrets.token_bytes(32)
-    prefix = f"bench-{secrets.token_hex(4)}"
-    fleet = FleetTier(url, key, prefix, node="bench-a")
-    puller = FleetTier(url, key, prefix, node="bench-b")
-    raw = fleet.config.connect()
-    length = max(prefixes) + lineage * step + 1
-    a = Engine.from_config(cfg, max_seq_len=length)
-    b = Engine.from_config(cfg, max_seq_len=length)
+    bench = _Bench(url, cfg, max(prefixes) + lineage * step + 1)
     print(f"fleet tier vs raw SET/GET on one server ({url}); {machine()}")
     print("| tokens | MiB | publish MiB/s | raw SET MiB/s | publish / SET | pull+restore MiB/s | raw GET MiB/s "
           "| pull / GET |")
     print("|---|---|---|---|---|---|---|---|")
-    rows, checks = [], []
+    try:
+        rows = [bench.row(tokens, rounds, pullers=tokens == max(prefixes)) for tokens in sorted(prefixes)]
+        stored, sizes = bench.lineage(lineage, step)
+    finally:
+        bench.close()
+    print(f"lineage of {lineage} snapshots {step} tokens apart from {max(prefixes)} tokens: {stored / MiB:.1f} MiB "
+          f"on the server for {sizes / MiB:.1f} MiB of capsules ({stored / sizes:.2f})")
+    checks = []
+    for row in rows:
+        checks.append(verdict(f"fleet publish / raw SET, {row['tokens']} tokens", row["publish"] / row["raw_set"],
+                              1.5, False))
+        checks.append(verdict(f"fleet pull + verify + restore / raw GET, {row['tokens']} tokens",
+                              row["pull"] / row["raw_get"], 1.5, False))
+    return {"machine": machine(), "rows": rows, "lineage": {"stored": stored, "capsules": sizes}, "checks": checks}
 
-    def wipe() -> None:
-        for k in raw.scan_iter(match=f"{prefix}:*", count=1000):
-            raw.delete(k)
 
-    for tokens in sorted(prefixes):
+class _Bench:
+    """Two engines (a publisher and a puller), their tiers and a raw client on one server, under
+    a prefix of their own."""
+
+    def __init__(self, url: str, cfg: ModelConfig, length: int) -> None:
+        self.url, self.cfg, self.length = url, cfg, length
+        self.key, self.prefix = secrets.token_bytes(32), f"bench-{secrets.token_hex(4)}"
+        self.fleet = FleetTier(url, self.key, self.prefix, node="bench-a")
+        self.puller = FleetTier(url, self.key, self.prefix, node="bench-b")
+        self.raw = self.fleet.config.connect()
+        self.a = Engine.from_config(cfg, max_seq_len=length)
+        self.b = Engine.from_config(cfg, max_seq_len=length)
+
+    def wipe(self) -> None:
+        for k in self.raw.scan_iter(match=f"{self.prefix}:*", count=1000):
+            self.raw.delete(k)
+
+    def row(self, tokens: int, rounds: int, pullers: bool) -> dict:
+        """Publish, pull and the raw SET and GET of one capsule of ``tokens``, interleaved (and
+        ``PULLERS`` pulls at once against as many raw GETs, when ``pullers``)."""
+        a, b, fleet, raw, prefix = self.a, self.b, self.fleet, self.raw, self.prefix
         _prefill(a, tokens)
         capsule = a.capsules.get(a.snapshot(tier="host").id)
         info, _, data = a.capsules.export(capsule.id)
@@ -96,45 +119,44 @@ def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, ste
                                                                       fleet.config.chunk_bytes))
         values = [bytes(chunk_bytes(data.numpy(), s)) for s in spans]
         raw_keys = [f"{prefix}:raw:{i}" for i in range(len(values))]
+        batch = fleet.config.batch_bytes
+
+        def ready() -> None:   # what a publish or a raw SET emptied, back before a timing that reads it
+            if raw.exists(raw_keys[-1]) == 0:
+                _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], batch)
+            if raw.exists(f"{prefix}:manifest:{capsule.id}") == 0:
+                fleet.publish(a.capsules, capsule.id)
 
         def raw_set() -> float:
-            wipe()
+            self.wipe()
             start = time.perf_counter()
-            _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
+            _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], batch)
             return time.perf_counter() - start
 
         def raw_get() -> float:
-            if raw.exists(raw_keys[-1]) == 0:
-                _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
+            ready()
             start = time.perf_counter()
-            _pipelined(raw, [("get", k, len(v)) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
+            _pipelined(raw, [("get", k, len(v)) for k, v in zip(raw_keys, values)], batch)
             return time.perf_counter() - start
 
         def publish() -> float:
-            wipe()
+            self.wipe()
             start = time.perf_counter()
             fleet.publish(a.capsules, capsule.id)
             return time.perf_counter() - start
 
         def pull() -> float:
-            if raw.exists(f"{prefix}:manifest:{capsule.id}") == 0:
-                fleet.publish(a.capsules, capsule.id)
+            ready()
             if b.capsules.kept(capsule.id) is not None:
                 b.capsules.drop(capsule.id)
             start = time.perf_counter()
-            b.restore(puller.pull(b.capsules, capsule.id).id)
+            b.restore(self.puller.pull(b.capsules, capsule.id).id)
             return time.perf_counter() - start
-
-        def ready() -> None:   # what a publish or a raw SET emptied, back before a timing that reads it
-            if raw.exists(raw_keys[-1]) == 0:
-                _pipelined(raw, [("set", k, v) for k, v in zip(raw_keys, values)], fleet.config.batch_bytes)
-            if raw.exists(f"{prefix}:manifest:{capsule.id}") == 0:
-                fleet.publish(a.capsules, capsule.id)
 
         fns = {"publish": publish, "raw_set": raw_set, "pull": pull, "raw_get": raw_get}
         together = None
-        if tokens == max(prefixes):
-            together = _Together(url, key, prefix, cfg, length, capsule.id, raw_keys, fleet.config.batch_bytes, ready)
+        if pullers:
+            together = _Together(self.url, self.key, prefix, self.cfg, self.length, capsule.id, raw_keys, batch, ready)
             fns |= {"pullers": together.pulls, "raw_gets": together.gets}
         try:
             times = interleaved(fns, rounds)
@@ -142,36 +164,31 @@ def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, ste
             if together is not None:
                 together.close()
         mib = info.nbytes / MiB
-        row = {"tokens": tokens, "bytes": info.nbytes, "chunks": len(values)} | {k: v for k, v in times.items()}
-        rows.append(row)
         print(f"| {tokens} | {mib:.1f} | {mib / times['publish']:.0f} | {mib / times['raw_set']:.0f} "
               f"| {times['publish'] / times['raw_set']:.2f} | {mib / times['pull']:.0f} | {mib / times['raw_get']:.0f} "
               f"| {times['pull'] / times['raw_get']:.2f} |")
-        if "pullers" in times:
+        if pullers:
             print(f"{PULLERS} pullers of one {tokens}-token capsule at once: {times['pullers'] * 1e3:.0f} ms until "
                   f"all hold it verified, {PULLERS} raw pipelined GETs at once {times['raw_gets'] * 1e3:.0f} ms "
                   f"({times['pullers'] / times['raw_gets']:.2f})")
         a.capsules.drop(capsule.id)
-    for row in rows:
-        checks.append(verdict(f"fleet publish / raw SET, {row['tokens']} tokens", row["publish"] / row["raw_set"],
-                              1.5, False))
-        checks.append(verdict(f"fleet pull + verify + restore / raw GET, {row['tokens']} tokens",
-                              row["pull"] / row["raw_get"], 1.5, False))
+        return {"tokens": tokens, "bytes": info.nbytes, "chunks": len(values)} | times
 
-    wipe()
-    sizes = 0
-    for _ in range(lineage):
-        _prefill(a, a.position + step)
-        sizes += fleet.publish(a.capsules, a.snapshot(tier="host").id).nbytes
-    stored = sum(raw.strlen(k) for k in raw.scan_iter(match=f"{prefix}:chunk:*", count=1000))
-    print(f"lineage of {lineage} snapshots {step} tokens apart from {max(prefixes)} tokens: {stored / MiB:.1f} MiB "
-          f"on the server for {sizes / MiB:.1f} MiB of capsules ({stored / sizes:.2f})")
-    wipe()
-    a.close()
-    b.close()
-    fleet.close()
-    puller.close()
-    return {"machine": machine(), "rows": rows, "lineage": {"stored": stored, "capsules": sizes}, "checks": checks}
+    def lineage(self, lineage: int, step: int) -> tuple[int, int]:
+        """Bytes on the server for ``lineage`` snapshots ``step`` tokens apart, published one after
+        another, and the sum of their sizes."""
+        self.wipe()
+        sizes = 0
+        for _ in range(lineage):
+            _prefill(self.a, self.a.position + step)
+            sizes += self.fleet.publish(self.a.capsules, self.a.snapshot(tier="host").id).nbytes
+        stored = sum(self.raw.strlen(k) for k in self.raw.scan_iter(match=f"{self.prefix}:chunk:*", count=1000))
+        self.wipe()
+        return stored, sizes
+
+    def close(self) -> None:
+        for closing in (self.a, self.b, self.fleet, self.puller, self.raw):
+            closing.close()
 
 
 class _Together:

@@ -225,63 +225,67 @@ class FleetTier:
         deadline = _Deadline("publish", deadline_s)
         started = time.monotonic()
         info, log_runs, data = store.export(ref)
-        if name is None:
-            name = info.name
+        name = info.name if name is None else name
         layout = store.layout
         # The bytes are not hashed again here: every reader checks them against the capsule
         # digest the manifest carries, so a capsule damaged in this store is refused, not restored.
         if not info.digest:
             raise CorruptCapsule(f"capsule {info.id} has no digest (its hash failed); not published")
         chunking = chunking_for(layout, self.config.chunk_rows, self.config.chunk_bytes)
-        array = data.numpy()
-        values = [chunk_bytes(array, spans) for spans in wire_chunks(layout, info.position, chunking)]
+        values = [chunk_bytes(data.numpy(), spans) for spans in wire_chunks(layout, info.position, chunking)]
         digests = [digest(v) for v in values]
         manifest = fleet_manifest.encode(info, log_runs, layout, chunking, digests, self._key)
-        unique = dict(zip(digests, values))   # a chunk repeated inside the capsule is sent once
-        sent = sent_bytes = 0
         try:
-            for attempt in range(PUBLISH_ATTEMPTS):
-                with self._talking("publish"):
-                    touched = self._scripts.touch(keys=[self.keys.touched, *map(self.keys.chunk, unique)],
-                                                  args=[2 * self._grace_ms(), *unique])
-                    self._check(outcome(touched[:2])[0])
-                    missing = [d for d, here in zip(unique, touched[2:]) if not here]
-                    n, b = self._send(missing, unique, deadline, progress, len(unique))
-                    sent, sent_bytes = sent + n, sent_bytes + b
-                    deadline.check()
-                    word, index = outcome(self._scripts.commit(
-                        keys=[self.keys.manifest(info.id), self.keys.holders(info.id), self.keys.names_of(info.id),
-                              self.keys.touched, self.keys.name(name) if name else self.keys.manifest(info.id),
-                              *map(self.keys.chunk, digests)],
-                        args=[manifest, self.config.node, lease, self._grace_ms(), name or "",
-                              fleet_manifest.name_value(self._key, name, info.id) if name else "",
-                              self.keys.name_prefix, info.id, *digests]))
-                self._check(word)
-                if word == "ok":
-                    break
-                if word == "conflict":
-                    raise InvalidCapsuleRequest(
-                        f"fleet capsule {info.id} is on the server already with another manifest (another chunking "
-                        "or another capsule key: keep chunk_bytes, chunk_rows and the key equal across the fleet)")
-                log.warning("fleet publish of %s: chunk %d was %s at the commit (attempt %d of %d); sending again",
-                            info.id, index, "gone" if word == "missing" else "touched too long ago",
-                            attempt + 1, PUBLISH_ATTEMPTS)
-            else:
-                if word == "missing":
-                    raise CapsuleIOError(f"fleet tier: chunks of capsule {info.id} vanished between touch and commit "
-                                         f"{PUBLISH_ATTEMPTS} times (evicted under maxmemory, or collected by a "
-                                         "collector whose grace_s is shorter than this publisher's?)")
-                raise CapsuleIOError(f"fleet tier: publishing capsule {info.id} took longer than grace_s "
-                                     f"({self.config.grace_s} s) {PUBLISH_ATTEMPTS} times; raise grace_s")
+            sent, sent_bytes = self._commit(info.id, manifest, name, lease, digests, dict(zip(digests, values)),
+                                            deadline, progress)
         except CapsuleError:
             self._count(failures=1)
             raise
-        seconds = time.monotonic() - started
         self._count(published=1, bytes_sent=sent_bytes)
         with self._stats_lock:
             self._held.add(info.id)
         whole = info._replace(tier="fleet", name=name or "", pinned=False, nbytes=layout.ranges_bytes(info.position))
-        return Published(whole, len(digests), whole.nbytes, sent, sent_bytes, seconds)
+        return Published(whole, len(digests), whole.nbytes, sent, sent_bytes, time.monotonic() - started)
+
+    def _commit(self, capsule_id: str, manifest: bytes, name: str, lease: str, digests: list[str],
+                unique: dict[str, Any], deadline: _Deadline,
+                progress: Callable[[int, int], None] | None) -> tuple[int, int]:
+        """Touch the chunks, send the missing ones, commit the manifest; again while chunks
+        vanish in between, ``PUBLISH_ATTEMPTS`` times. ``unique``: digest -> value, a chunk
+        repeated inside the capsule once. (chunks, bytes) sent."""
+        sent = sent_bytes = 0
+        for attempt in range(PUBLISH_ATTEMPTS):
+            with self._talking("publish"):
+                touched = self._scripts.touch(keys=[self.keys.touched, *map(self.keys.chunk, unique)],
+                                              args=[2 * self._grace_ms(), *unique])
+                self._check(outcome(touched[:2])[0])
+                missing = [d for d, here in zip(unique, touched[2:]) if not here]
+                n, b = self._send(missing, unique, deadline, progress, len(unique))
+                sent, sent_bytes = sent + n, sent_bytes + b
+                deadline.check()
+                word, index = outcome(self._scripts.commit(
+                    keys=[self.keys.manifest(capsule_id), self.keys.holders(capsule_id), self.keys.names_of(capsule_id),
+                          self.keys.touched, self.keys.name(name) if name else self.keys.manifest(capsule_id),
+                          *map(self.keys.chunk, digests)],
+                    args=[manifest, self.config.node, lease, self._grace_ms(), name or "",
+                          fleet_manifest.name_value(self._key, name, capsule_id) if name else "",
+                          self.keys.name_prefix, capsule_id, *digests]))
+            self._check(word)
+            if word == "ok":
+                return sent, sent_bytes
+            if word == "conflict":
+                raise InvalidCapsuleRequest(
+                    f"fleet capsule {capsule_id} is on the server already with another manifest (another chunking "
+                    "or another capsule key: keep chunk_bytes, chunk_rows and the key equal across the fleet)")
+            log.warning("fleet publish of %s: chunk %d was %s at the commit (attempt %d of %d); sending again",
+                        capsule_id, index, "gone" if word == "missing" else "touched too long ago",
+                        attempt + 1, PUBLISH_ATTEMPTS)
+        if word == "missing":
+            raise CapsuleIOError(f"fleet tier: chunks of capsule {capsule_id} vanished between touch and commit "
+                                 f"{PUBLISH_ATTEMPTS} times (evicted under maxmemory, or collected by a "
+                                 "collector whose grace_s is shorter than this publisher's?)")
+        raise CapsuleIOError(f"fleet tier: publishing capsule {capsule_id} took longer than grace_s "
+                             f"({self.config.grace_s} s) {PUBLISH_ATTEMPTS} times; raise grace_s")
 
     def _send(self, missing: Sequence[str], values: dict[str, bytes | memoryview], deadline: _Deadline,
               progress: Callable[[int, int], None] | None, total: int) -> tuple[int, int]:
