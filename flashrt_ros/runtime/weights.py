@@ -2,8 +2,9 @@
 default, loading Hugging Face safetensors checkpoints, and the model fingerprint.
 
 Weights travel as a flat ``{hf_name: tensor}`` dict in the Hugging Face naming
-of ``Qwen3_5ForCausalLM``; the model fuses them into its own layout only
-when it is built, so the fingerprint is independent of that layout.
+of ``Qwen3_5ForCausalLM`` (of ``Qwen3_5MoeForCausalLM`` for an MoE model, its experts
+as transformers' fused ``gate_up_proj`` and ``down_proj`` stacks); the model fuses them
+into its own layout only when it is built, so the fingerprint is independent of that layout.
 """
 from __future__ import annotations
 
