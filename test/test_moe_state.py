@@ -145,3 +145,12 @@ def test_torch_reference_path_speculative_tokens_agree_where_the_margin_exceeds_
     tokens = engine.generate(120, speculative=3)
     first = next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), None)
     assert first is None or margins[first] < 1e-3, (first, margins[first] if first is not None else None)
+
+
+def test_distilling_an_moe_models_mtp_layer_is_refused_by_name():
+    from flashrt_ros.distill.mtp_layer import MtpLayer
+    from flashrt_ros.errors import InvalidArgument
+
+    embed = torch.zeros(MOE.vocab_size, MOE.hidden_size)
+    with pytest.raises(InvalidArgument, match="mixture-of-experts model is not supported"):
+        MtpLayer(MOE, {}, embed, embed, max_len=8)
