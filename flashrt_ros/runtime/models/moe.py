@@ -106,7 +106,8 @@ class SparseMoE:
         depend on the number of rows."""
         n, k = index.shape
         flat = index.flatten()
-        rows = x.repeat_interleave(k, dim=0)[:, None]                     # [n * k, 1, H]
+        # Each row k times, [n * k, 1, H], by expand and copy: no repeat count to read back.
+        rows = x[:, None].expand(n, k, x.shape[1]).reshape(n * k, 1, x.shape[1])
         gate, up = torch.bmm(rows, self.gate_up.index_select(0, flat)).chunk(2, dim=-1)
         y = torch.bmm(F.silu(gate).mul_(up), self.down.index_select(0, flat)).view(n, k, -1)
         out = y[:, 0] * weights[:, :1]

@@ -109,9 +109,9 @@ def _mlp(w: dict[str, torch.Tensor], p: str, cfg: ModelConfig, cast: _Cast) -> S
 
 
 def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast, cfg: ModelConfig) -> _Block:
-    mlp = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
-               ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
-               mlp=_mlp(w, f"{prefix}mlp.", cfg, cast))
+    common = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
+                  ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
+                  mlp=_mlp(w, f"{prefix}mlp.", cfg, cast))
     if kind == FULL:
         a = f"{prefix}self_attn."
         q_norm, k_norm = w[f"{a}q_norm.weight"], w[f"{a}k_norm.weight"]
@@ -122,13 +122,13 @@ def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: 
         q_and_gate = w[f"{a}q_proj.weight"].view(-1, 2, d, w[f"{a}q_proj.weight"].shape[-1])
         heads = q_and_gate.shape[0]
         kv_heads = w[f"{a}k_proj.weight"].shape[0] // d
-        return _Block(kind, **mlp, slot=slot,
+        return _Block(kind, **common, slot=slot,
                       in_proj=cast.proj(q_and_gate[:, 0].flatten(0, 1), w[f"{a}k_proj.weight"],
                                         q_and_gate[:, 1].flatten(0, 1), w[f"{a}v_proj.weight"]),
                       out_proj=cast.proj(w[f"{a}o_proj.weight"]),
                       norm_a=cast.one_plus(torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)])))
     a = f"{prefix}linear_attn."
-    return _Block(kind, **mlp, slot=slot,
+    return _Block(kind, **common, slot=slot,
                   in_proj=cast.proj(w[f"{a}in_proj_qkv.weight"], w[f"{a}in_proj_z.weight"],
                                     w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"]),
                   out_proj=cast.proj(w[f"{a}out_proj.weight"]),
