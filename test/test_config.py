@@ -47,11 +47,65 @@ def test_layer_types_default_to_one_full_layer_in_four():
     assert cfg.full_layers == (3, 7)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_next"])
-def test_moe_variants_are_refused_until_supported(model_type):
-    raw = ModelConfig.tiny().to_hf_config() | {"model_type": model_type}
+def test_qwen3_next_is_refused_until_supported():
+    raw = ModelConfig.tiny().to_hf_config() | {"model_type": "qwen3_next"}
     with pytest.raises(InvalidArgument, match="not supported yet"):
         ModelConfig.from_hf_config(raw)
+
+
+MOE = ModelConfig.tiny(intermediate_size=0, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                       shared_expert_intermediate_size=64)
+
+
+def test_moe_config_roundtrips_alone_and_inside_a_multimodal_config():
+    text = json.loads(json.dumps(MOE.to_hf_config()))
+    assert text["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in text
+    assert ModelConfig.from_hf_config(text) == MOE
+    outer = {"model_type": "qwen3_5_moe", "text_config": text | {"intermediate_size": 999},   # unused there
+             "vision_config": {"depth": 2}}
+    assert ModelConfig.from_hf_config(outer) == MOE
+
+
+def test_moe_config_reads_as_transformers_reads_it():
+    from transformers import Qwen3_5MoeTextConfig
+
+    hf = Qwen3_5MoeTextConfig(**{k: v for k, v in MOE.to_hf_config().items() if k != "mtp_num_hidden_layers"})
+    assert ModelConfig.from_hf_config(hf.to_dict() | {"mtp_num_hidden_layers": 1}) == MOE
+
+
+def test_a_dense_models_fingerprint_does_not_name_the_expert_fields():
+    """The expert fields came after dense capsules were made: a dense config hashes as it did."""
+    assert ModelConfig.tiny().fingerprint() == "79c44a20fd374cc0fc5ea6612ee7977d"
+    assert MOE.fingerprint() != ModelConfig.tiny().fingerprint()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok=0 must be in"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size must be > 0"),
+    ({"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be an int >= 0"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False is not supported"),
+    ({"num_experts": None}, "must be an int >= 0"),
+])
+def test_bad_moe_configs_name_the_problem(change, words):
+    with pytest.raises(InvalidArgument, match=words):
+        ModelConfig.from_hf_config(MOE.to_hf_config() | change)
+
+
+@pytest.mark.parametrize("missing", ["num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                     "shared_expert_intermediate_size"])
+def test_an_moe_config_without_an_expert_size_is_refused_by_name(missing):
+    raw = MOE.to_hf_config()
+    del raw[missing]
+    with pytest.raises(InvalidArgument, match=missing):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_dense_and_moe_ffn_fields_do_not_mix():
+    with pytest.raises(InvalidArgument, match="intermediate_size must be 0"):
+        ModelConfig.tiny(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+    with pytest.raises(InvalidArgument, match="a dense model"):
+        ModelConfig.tiny(moe_intermediate_size=48)
 
 
 @pytest.mark.parametrize("change, words", [

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InvalidArgument
 from ..runtime.config import ModelConfig
 from ..runtime.layers import apply_rope, rope_tables
 
@@ -32,6 +33,9 @@ class MtpLayer(nn.Module):
                  lm_head: torch.Tensor, max_len: int) -> None:
         """``start``: the initial ``mtp.*`` tensors (a checkpoint's, or seeded ones); ``embed``
         [V, H] and ``lm_head`` [V, H] the main model's; ``max_len``: the longest sequence."""
+        if cfg.moe:   # its MLP below is the dense one; an MoE model's MTP layer is an MoE block
+            raise InvalidArgument("distilling the MTP layer of a mixture-of-experts model is not supported: "
+                                  "use the checkpoint's own mtp.* weights")
         super().__init__()
         self.cfg = cfg
         self.params = nn.ParameterDict({n.replace(".", "/"): nn.Parameter(t.detach().float().clone())

@@ -1,6 +1,6 @@
-"""Model configuration for the Qwen3.5-style hybrid decoder.
+"""Model configuration for the Qwen3.5-style hybrid decoder, dense or mixture of experts.
 
-Field names follow the Hugging Face ``config.json`` of dense Qwen3.5 text models
+Field names follow the Hugging Face ``config.json`` of Qwen3.5 text models (dense and MoE)
 so that a reader can hold the two side by side; nothing from ``transformers``
 is imported or kept.
 """
@@ -19,8 +19,14 @@ from ..errors import InvalidArgument, shown
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
-_SUPPORTED_TYPES = ("qwen3_5_text", "qwen3_5")
-_LATER_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+_SUPPORTED_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+_LATER_TYPES = ("qwen3_next",)
+# A multimodal config's type -> the type of the text model it holds in ``text_config``.
+_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MOE_TEXT = "qwen3_5_moe_text"
+# Fields a dense model leaves at 0; left out of a dense model's fingerprint, so that adding
+# them kept every dense capsule's model fingerprint.
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def _interleaved_layer_types(num_layers: int, full_every: int) -> tuple[str, ...]:
@@ -57,10 +63,17 @@ class ModelConfig:
     obs_dim: int = 0
     action_dim: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
+    # Mixture of experts (every layer's FFN, the MTP layer's too): num_experts = 0 is a dense
+    # model, whose FFN is intermediate_size wide; an MoE model has no dense FFN (intermediate_size
+    # = 0) and routes each token to num_experts_per_tok experts, plus a shared expert (width 0: none).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         positive = (
-            "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+            "vocab_size", "hidden_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
             "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
             "max_position_embeddings",
@@ -89,6 +102,7 @@ class ModelConfig:
         if self.mtp_num_hidden_layers not in (0, 1):
             raise InvalidArgument(
                 f"mtp_num_hidden_layers={self.mtp_num_hidden_layers} is not supported (0 or 1)")
+        self._check_ffn()
         for name in ("obs_dim", "action_dim", "mtp_num_hidden_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -106,7 +120,33 @@ class ModelConfig:
                 f"policy mode needs obs_dim and action_dim both > 0 (or both 0 to turn it off), "
                 f"got obs_dim={self.obs_dim}, action_dim={self.action_dim}")
 
+    def _check_ffn(self) -> None:
+        for name in ("intermediate_size",) + MOE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"config field {name} must be an int >= 0, got {value!r}")
+        if not self.moe:
+            if self.intermediate_size == 0 or any(getattr(self, name) for name in MOE_FIELDS[1:]):
+                raise InvalidArgument(
+                    f"a dense model (num_experts=0) needs intermediate_size > 0 and no expert sizes, got "
+                    f"intermediate_size={self.intermediate_size}, "
+                    + ", ".join(f"{n}={getattr(self, n)}" for n in MOE_FIELDS[1:]))
+            return
+        if self.intermediate_size:
+            raise InvalidArgument(f"an MoE model has no dense FFN: intermediate_size must be 0, "
+                                  f"got {self.intermediate_size}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise InvalidArgument(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                  f"[1, num_experts={self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            raise InvalidArgument(f"moe_intermediate_size must be > 0, got {self.moe_intermediate_size}")
+
     # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's FFN is a sparse MoE block."""
+        return self.num_experts > 0
+
     @property
     def num_hidden_layers(self) -> int:
         return len(self.layer_types)
@@ -170,39 +210,41 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Parse a Hugging Face ``config.json`` dict of a dense Qwen3.5 text model.
+        """Parse a Hugging Face ``config.json`` dict of a Qwen3.5 text model, dense
+        (``qwen3_5_text``) or mixture of experts (``qwen3_5_moe_text``).
 
-        A multimodal ``qwen3_5`` checkpoint is accepted through its ``text_config``.
+        A multimodal ``qwen3_5`` or ``qwen3_5_moe`` checkpoint is accepted through its ``text_config``.
         """
         if not isinstance(raw, dict):
             raise InvalidArgument(f"config must be a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type in _LATER_TYPES:
             raise InvalidArgument(
-                f"model_type {model_type!r} (mixture of experts) is not supported yet; "
+                f"model_type {model_type!r} (Qwen3-Next) is not supported yet; "
                 f"supported: {', '.join(_SUPPORTED_TYPES)}")
         if model_type not in _SUPPORTED_TYPES:
             raise InvalidArgument(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(_SUPPORTED_TYPES)}")
         text = raw
-        if model_type == "qwen3_5":
+        if model_type in _TEXT_TYPES:
             text = raw.get("text_config")
             if not isinstance(text, dict):
-                raise InvalidArgument("qwen3_5 config has no text_config object")
-            if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+                raise InvalidArgument(f"{model_type} config has no text_config object")
+            if text.get("model_type", _TEXT_TYPES[model_type]) != _TEXT_TYPES[model_type]:
                 return cls.from_hf_config(text)
+            model_type = _TEXT_TYPES[model_type]
         if raw.get("quantization_config") or text.get("quantization_config"):
             raise InvalidArgument("quantized checkpoints (quantization_config) are not supported: "
                                   "load the float16, bfloat16 or float32 release")
         try:
-            return cls._from_text(raw, text)
+            return cls._from_text(raw, text, moe=model_type == MOE_TEXT)
         except InvalidArgument:
             raise
         except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # a list where an int belongs
             raise InvalidArgument(f"malformed config: {type(exc).__name__}: {exc}") from None
 
     @classmethod
-    def _from_text(cls, raw: dict[str, Any], text: dict[str, Any]) -> "ModelConfig":
+    def _from_text(cls, raw: dict[str, Any], text: dict[str, Any], moe: bool) -> "ModelConfig":
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -240,7 +282,8 @@ class ModelConfig:
         return cls(
             vocab_size=_required(text, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_required(text, "intermediate_size"),
+            # transformers' MoE config has no dense FFN width (a stray one there is unused).
+            intermediate_size=0 if moe else _required(text, "intermediate_size"),
             layer_types=layer_types,
             num_attention_heads=heads,
             # Fields transformers' Qwen3_5TextConfig gives a default get the same one here,
@@ -264,6 +307,7 @@ class ModelConfig:
             obs_dim=text.get("obs_dim", 0),
             action_dim=text.get("action_dim", 0),
             eos_token_ids=eos_ids,
+            **(_moe_fields(text) if moe else {}),
         )
 
     @classmethod
@@ -278,13 +322,15 @@ class ModelConfig:
         return cls.from_hf_config(raw)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A ``config.json`` dict that ``transformers`` loads as ``Qwen3_5ForCausalLM``."""
+        """A ``config.json`` dict that ``transformers`` loads as ``Qwen3_5ForCausalLM``
+        (``Qwen3_5MoeForCausalLM`` for an MoE model)."""
         out: dict[str, Any] = {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_text",
+            "architectures": ["Qwen3_5MoeForCausalLM" if self.moe else "Qwen3_5ForCausalLM"],
+            "model_type": MOE_TEXT if self.moe else "qwen3_5_text",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
+            **({name: getattr(self, name) for name in MOE_FIELDS} if self.moe
+               else {"intermediate_size": self.intermediate_size}),
             "num_hidden_layers": self.num_hidden_layers,
             "layer_types": list(self.layer_types),
             "num_attention_heads": self.num_attention_heads,
@@ -310,7 +356,11 @@ class ModelConfig:
         return out
 
     def fingerprint(self) -> str:
-        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = dataclasses.asdict(self)
+        if not self.moe:
+            for name in MOE_FIELDS:
+                del fields[name]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
 
@@ -318,3 +368,13 @@ def _required(raw: dict[str, Any], key: str) -> Any:
     if key not in raw:
         raise InvalidArgument(f"config is missing required field {key!r}")
     return raw[key]
+
+
+def _moe_fields(text: dict[str, Any]) -> dict[str, Any]:
+    """The expert sizes of a ``qwen3_5_moe_text`` config (all required: a size is never a default).
+    transformers' Qwen3.5 MoE router always renormalises its top-k weights (its config has no
+    ``norm_topk_prob``); a config that asks for raw softmax weights names another model."""
+    if text.get("norm_topk_prob", True) is not True:
+        raise InvalidArgument(f"norm_topk_prob={text['norm_topk_prob']!r} is not supported: a Qwen3.5 MoE "
+                              f"router renormalises its top-k weights (as transformers computes it)")
+    return {name: _required(text, name) for name in MOE_FIELDS}

@@ -74,7 +74,13 @@ class Engine:
                draft_vocab: torch.Tensor | None) -> None:
         # 1. build + 2. load weights (fused into the model's own layout)
         self.cpu_kernels = cpu_backend.chosen(opts.cpu_kernels, self.device, self.dtype)
-        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, cpu_kernels=self.cpu_kernels)
+        self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
+        # Decode over every cache row with a mask (what a graph needs) rather than the live rows,
+        # and route experts with fixed shapes: the same tokens, other roundings, so a replay must
+        # know which.
+        self.fixed_shapes = self.cuda_graphs or opts.static_shapes
+        self.model = Qwen35(cfg, weights, self.device, self.dtype, self.max_seq_len, cpu_kernels=self.cpu_kernels,
+                            fixed_shapes=self.fixed_shapes)
         # The weights as given plus the dtype the engine computes in: the model keeps norms,
         # A_log and dt_bias in fp32 whatever that dtype, so weights equal only once cast to it
         # are not the same model (hashing the cast weights once let such a model's capsule in).
@@ -93,10 +99,6 @@ class Engine:
             lock=self._lock, log_kinds=(PREFILL, DECODE, STEP) if cfg.policy else (PREFILL, DECODE),
             key=opts.capsule_key)
         # 4. warm up + 5. capture graphs (the decoder zeroes the state its warm-ups wrote)
-        self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
-        # Decode over every cache row with a mask (what a graph needs) rather than the live rows:
-        # the same tokens, other roundings, so a replay must know which.
-        self.fixed_shapes = self.cuda_graphs or opts.static_shapes
         with torch.inference_mode():
             self.decoder = Decoder(self.model, self.arena, max_seq_len=self.max_seq_len,
                                    prefill_chunk=opts.prefill_chunk, fixed_shapes=self.fixed_shapes,

@@ -83,7 +83,8 @@ class Speculation:
         self.stats = SpeculationStats()
         head = self.head if self.head is not None else model.lm_head.w
         draft = [p.w for p in model.draft_projections()] + [model.mtp_fc.w, model.mtp_kv_proj.w, head]
-        self.draft_bytes = sum(t.numel() * t.element_size() for t in draft)
+        # A draft of an MoE model reads its MTP layer's k routed experts too.
+        self.draft_bytes = sum(t.numel() * t.element_size() for t in draft) + model.mtp.mlp.routed_bytes()
         # Accepted per draft made for a pass to cost no more per token than plain decode: a pass
         # of k drafts reads the weights once plus k drafts' bytes and commits 1 + accepted tokens.
         self.break_even = min(1.0, OVERHEAD * self.draft_bytes / model.weight_bytes_per_token())

@@ -2,8 +2,9 @@
 default, loading Hugging Face safetensors checkpoints, and the model fingerprint.
 
 Weights travel as a flat ``{hf_name: tensor}`` dict in the Hugging Face naming
-of ``Qwen3_5ForCausalLM``; the model fuses them into its own layout only
-when it is built, so the fingerprint is independent of that layout.
+of ``Qwen3_5ForCausalLM`` (of ``Qwen3_5MoeForCausalLM`` for an MoE model, its experts
+as transformers' fused ``gate_up_proj`` and ``down_proj`` stacks); the model fuses them
+into its own layout only when it is built, so the fingerprint is independent of that layout.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -47,13 +49,68 @@ def _attention_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...
 
 def _block_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {
-        f"{prefix}input_layernorm.weight": (h,),
-        f"{prefix}post_attention_layernorm.weight": (h,),
+    norms = {f"{prefix}input_layernorm.weight": (h,), f"{prefix}post_attention_layernorm.weight": (h,)}
+    if cfg.moe:
+        return norms | _moe_shapes(cfg, f"{prefix}mlp.")
+    return norms | {
         f"{prefix}mlp.gate_proj.weight": (i, h),
         f"{prefix}mlp.up_proj.weight": (i, h),
         f"{prefix}mlp.down_proj.weight": (h, i),
     }
+
+
+def _moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A sparse MoE block, its experts by transformers' fused names (a checkpoint's per-expert
+    tensors are stacked into these as they load: ``ExpertStacks``). A shared expert of width 0
+    (none) has no tensors here: transformers' zero-size ones carry nothing."""
+    h, e, i, s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    shapes = {f"{p}gate.weight": (e, h), f"{p}experts.gate_up_proj": (e, 2 * i, h), f"{p}experts.down_proj": (e, h, i)}
+    if s:
+        shapes |= {f"{p}shared_expert.gate_proj.weight": (s, h), f"{p}shared_expert.up_proj.weight": (s, h),
+                   f"{p}shared_expert.down_proj.weight": (h, s), f"{p}shared_expert_gate.weight": (1, h)}
+    return shapes
+
+
+# A released (and transformers-saved) MoE checkpoint stores each expert's matrices apart.
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class ExpertStacks:
+    """Per-expert tensors (``...mlp.experts.N.gate_proj.weight`` etc.) gathered into transformers'
+    fused ones: ``gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+    ``down_proj`` [E, H, I]. A layer's stack is built as soon as its last part arrives and its
+    parts dropped, so loading holds at most the layers still incomplete twice."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.parts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+
+    @staticmethod
+    def matches(name: str) -> bool:
+        return _PER_EXPERT.match(name) is not None
+
+    def add(self, name: str, tensor: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
+        """Take one part; returns the fused tensors it completes (by canonical name), or {}."""
+        prefix, expert, kind = _PER_EXPERT.match(name).groups()
+        e, h, i = self.cfg.num_experts, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        shape = (h, i) if kind == "down_proj" else (i, h)
+        if int(expert) >= e or tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, config implies "
+                                  f"{shape} for experts 0..{e - 1}")
+        parts = self.parts.setdefault(prefix, {})
+        if (int(expert), kind) in parts:
+            raise CheckpointError(f"{where}: tensor {name} is stored twice")
+        parts[(int(expert), kind)] = tensor
+        if len(parts) < 3 * e:
+            return {}
+        del self.parts[prefix]
+        stack = [torch.cat([parts[(x, "gate_proj")], parts[(x, "up_proj")]]) for x in range(e)]
+        return {f"{prefix}.gate_up_proj": torch.stack(stack),
+                f"{prefix}.down_proj": torch.stack([parts[(x, "down_proj")] for x in range(e)])}
+
+    def incomplete(self) -> list[str]:
+        """The experts' prefixes some of whose parts never came."""
+        return sorted(self.parts)
 
 
 def _linear_attention_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -215,6 +272,7 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
         replaced_heads = stored != (cfg.obs_dim, cfg.action_dim)
     shapes = expected_shapes(cfg)
     weights: dict[str, torch.Tensor] = {}
+    stacks = ExpertStacks(cfg)
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as reader:
@@ -226,20 +284,20 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
                         log.warning("policy_dims %s replaces the stored head %s: seeding a new one",
                                     tuple(policy_dims), raw_name)
                         continue
+                    if cfg.moe and ExpertStacks.matches(name):
+                        for fused, tensor in stacks.add(name, reader.get_tensor(raw_name), file.name).items():
+                            _keep(weights, shapes, fused, tensor, file.name, path)
+                        continue
                     if name not in shapes and name != DRAFT_VOCAB:
-                        if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                        if not (cfg.tie_word_embeddings and name == "lm_head.weight") and not _empty_shared(cfg, name):
                             log.warning("ignoring unexpected tensor %s in %s", raw_name, file.name)
                         continue
-                    if name in weights:   # in two shards, or under two names: which one is meant?
-                        raise CheckpointError(f"{file.name}: tensor {raw_name} is stored twice in {path}")
-                    tensor = reader.get_tensor(raw_name)
-                    if name != DRAFT_VOCAB and tuple(tensor.shape) != shapes[name]:
-                        raise CheckpointError(
-                            f"{file.name}: tensor {raw_name} has shape {tuple(tensor.shape)}, "
-                            f"config implies {shapes[name]}")
-                    weights[name] = tensor
+                    _keep(weights, shapes, name, reader.get_tensor(raw_name), file.name, path, raw_name)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {file}: {exc}") from None
+    if stacks.incomplete():
+        raise CheckpointError(f"checkpoint {path} lacks some experts' tensors under "
+                              f"{', '.join(stacks.incomplete()[:3])}")
     missing = [n for n in shapes if n not in weights]
     required = [n for n in missing if not n.startswith(OPTIONAL_PREFIXES)]
     if required:
@@ -255,6 +313,27 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     if missing:
         weights |= seeded_weights(cfg, seed, missing)
     return cfg, weights, missing
+
+
+def _keep(weights: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], name: str, tensor: torch.Tensor,
+          file: str, path: Path, raw_name: str | None = None) -> None:
+    """Add one tensor by canonical name, refusing one stored twice or of another shape."""
+    shown_name = raw_name or name
+    if name not in shapes and name != DRAFT_VOCAB:   # stacked experts of a layer the config lacks
+        log.warning("ignoring unexpected tensors %s in %s", shown_name, file)
+        return
+    if name in weights:   # in two shards, or under two names: which one is meant?
+        raise CheckpointError(f"{file}: tensor {shown_name} is stored twice in {path}")
+    if name != DRAFT_VOCAB and tuple(tensor.shape) != shapes[name]:
+        raise CheckpointError(f"{file}: tensor {shown_name} has shape {tuple(tensor.shape)}, "
+                              f"config implies {shapes[name]}")
+    weights[name] = tensor
+
+
+def _empty_shared(cfg: ModelConfig, name: str) -> bool:
+    """A shared expert of width 0: transformers saves its zero-size matrices and its gate, which
+    multiplies nothing."""
+    return cfg.moe and not cfg.shared_expert_intermediate_size and ".mlp.shared_expert" in name
 
 
 def stop_token_ids(path: str | Path, cfg: ModelConfig) -> tuple[int, ...]:

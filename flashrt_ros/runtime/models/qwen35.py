@@ -19,8 +19,9 @@ from ..backends.cpu import row_product
 from ..backends.cpu.delta_step import DeltaStep
 from ..config import FULL, LINEAR, ModelConfig
 from ...hugepages import empty_huge
-from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables, swiglu_mlp
+from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables
 from ..projection import Projection
+from .moe import SparseMoE, SwiGLU
 
 
 def state_specs(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> list[RegionSpec]:
@@ -60,8 +61,7 @@ class _Block:
     kind: str
     ln_in: torch.Tensor            # fp32, 1 + w
     ln_post: torch.Tensor          # fp32, 1 + w
-    gate_up: Projection
-    down: Projection
+    mlp: SwiGLU | SparseMoE
     in_proj: Projection            # linear: qkv|z|b|a   full: q|k|gate|v
     out_proj: Projection
     norm_a: torch.Tensor           # linear: gated output norm (plain w)   full: q|k norm per head (1 + w)
@@ -92,11 +92,26 @@ class _Cast:
         return (1.0 + w.detach().float()).to(self.device)
 
 
-def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast) -> _Block:
-    mlp = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
-               ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
-               gate_up=cast.proj(w[f"{prefix}mlp.gate_proj.weight"], w[f"{prefix}mlp.up_proj.weight"]),
-               down=cast.proj(w[f"{prefix}mlp.down_proj.weight"]))
+def _mlp(w: dict[str, torch.Tensor], p: str, cfg: ModelConfig, cast: _Cast) -> SwiGLU | SparseMoE:
+    """The FFN under ``p`` (``...mlp.``): dense, or a sparse MoE block (experts as [in, out])."""
+    def swiglu(q: str) -> SwiGLU:
+        gate_up = cast.proj(w[f"{q}gate_proj.weight"], w[f"{q}up_proj.weight"])
+        return SwiGLU(gate_up, cast.proj(w[f"{q}down_proj.weight"]))
+
+    if not cfg.moe:
+        return swiglu(p)
+    shared = gates = None
+    if cfg.shared_expert_intermediate_size:
+        shared, gates = swiglu(f"{p}shared_expert."), w[f"{p}shared_expert_gate.weight"]
+    router = cast.proj(*[t for t in (w[f"{p}gate.weight"], gates) if t is not None])
+    return SparseMoE(router, cast(w[f"{p}experts.gate_up_proj"].transpose(1, 2)),
+                     cast(w[f"{p}experts.down_proj"].transpose(1, 2)), cfg.num_experts_per_tok, shared)
+
+
+def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast, cfg: ModelConfig) -> _Block:
+    common = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
+                  ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
+                  mlp=_mlp(w, f"{prefix}mlp.", cfg, cast))
     if kind == FULL:
         a = f"{prefix}self_attn."
         q_norm, k_norm = w[f"{a}q_norm.weight"], w[f"{a}k_norm.weight"]
@@ -107,13 +122,13 @@ def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: 
         q_and_gate = w[f"{a}q_proj.weight"].view(-1, 2, d, w[f"{a}q_proj.weight"].shape[-1])
         heads = q_and_gate.shape[0]
         kv_heads = w[f"{a}k_proj.weight"].shape[0] // d
-        return _Block(kind, **mlp, slot=slot,
+        return _Block(kind, **common, slot=slot,
                       in_proj=cast.proj(q_and_gate[:, 0].flatten(0, 1), w[f"{a}k_proj.weight"],
                                         q_and_gate[:, 1].flatten(0, 1), w[f"{a}v_proj.weight"]),
                       out_proj=cast.proj(w[f"{a}o_proj.weight"]),
                       norm_a=cast.one_plus(torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)])))
     a = f"{prefix}linear_attn."
-    return _Block(kind, **mlp, slot=slot,
+    return _Block(kind, **common, slot=slot,
                   in_proj=cast.proj(w[f"{a}in_proj_qkv.weight"], w[f"{a}in_proj_z.weight"],
                                     w[f"{a}in_proj_b.weight"], w[f"{a}in_proj_a.weight"]),
                   out_proj=cast.proj(w[f"{a}out_proj.weight"]),
@@ -129,11 +144,14 @@ class Qwen35:
     """The hybrid decoder. Build, then ``bind`` an arena; every forward writes state there."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_seq_len: int, cpu_kernels: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, max_seq_len: int, cpu_kernels: bool = False,
+                 fixed_shapes: bool = False) -> None:
         """``cpu_kernels``: run few-row products and the linear mixers on the CPU backend (float32
-        on a CPU, the library built; the caller checks ``backends.cpu.serves``)."""
+        on a CPU, the library built; the caller checks ``backends.cpu.serves``). ``fixed_shapes``:
+        decode, verify and draft rows route their experts with fixed shapes and no host read
+        (``SparseMoE.gathered``, what a CUDA graph captures); prefill always groups rows by expert."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.cpu_kernels = cpu_kernels
+        self.cpu_kernels, self.fixed_shapes = cpu_kernels, fixed_shapes
         cast = _Cast(device, dtype)
         self.embed = cast(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
@@ -142,11 +160,11 @@ class Qwen35:
         slots = {FULL: 0, LINEAR: 0}
         self.blocks: list[_Block] = []
         for idx, kind in enumerate(cfg.layer_types):
-            self.blocks.append(_block(weights, f"model.layers.{idx}.", kind, slots[kind], cast))
+            self.blocks.append(_block(weights, f"model.layers.{idx}.", kind, slots[kind], cast, cfg))
             slots[kind] += 1
         self.mtp: _Block | None = None
         if cfg.mtp_num_hidden_layers:
-            self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast)
+            self.mtp = _block(weights, "mtp.layers.0.", FULL, 0, cast, cfg)
             # A boundary needs only the MTP layer's K and V rows; its queries, gates, attention
             # and MLP only make drafts (speculative decoding). So K|V is one product and
             # queries|gates another: a boundary skips the second, and a draft computes its K
@@ -163,7 +181,7 @@ class Qwen35:
             self.mtp_norm_hidden = cast.one_plus(weights["mtp.pre_fc_norm_hidden.weight"])
             self.mtp_final_norm = cast.one_plus(weights["mtp.norm.weight"])
         if cpu_kernels:   # one scratch for every product, sized once every weight is built
-            products = self.projections() + self.draft_projections()
+            products = self.projections() + self.draft_projections() + self.expert_projections()
             partials = row_product.scratch(max(p.w.shape[1] for p in products))
             for p in products:
                 p.use_row_kernel(partials)
@@ -260,7 +278,7 @@ class Qwen35:
         return b.out_proj(out * torch.sigmoid(gate))
 
     def _block_forward(self, x: torch.Tensor, b: _Block, kv: torch.Tensor | None, positions: torch.Tensor,
-                       rope: tuple[torch.Tensor, torch.Tensor] | None, span: Span) -> torch.Tensor:
+                       rope: tuple[torch.Tensor, torch.Tensor] | None, span: Span, decode: bool) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         h = rms_norm(x, b.ln_in, eps)
         if b.kind == FULL:
@@ -268,7 +286,7 @@ class Qwen35:
         else:
             h = self._linear_mixer(h, b)
         x = x + h
-        return x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
+        return x + b.mlp(rms_norm(x, b.ln_post, eps), fixed=decode and self.fixed_shapes)
 
     # ---- one committed boundary ----------------------------------------------------------------
     def advance(self, embeds: torch.Tensor, positions: torch.Tensor, span: Span, decode: bool) -> torch.Tensor:
@@ -279,7 +297,7 @@ class Qwen35:
         rope = (self.cos.index_select(0, positions), self.sin.index_select(0, positions))
         for b in self.blocks:
             kv = self.kv[:, b.slot] if b.kind == FULL else None
-            x = self._block_forward(x, b, kv, positions, rope, span)
+            x = self._block_forward(x, b, kv, positions, rope, span, decode)
         hidden = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
         if self.mtp is not None:
             prev = torch.cat([self.last_hidden[None], hidden[:-1]]) if not decode else self.last_hidden[None]
@@ -330,7 +348,7 @@ class Qwen35:
             keys, values = self.mtp_kv[:at + 1, 0], self.mtp_kv[:at + 1, 1]
             attended = attend_one(q, keys, values, None, d ** -0.5)
             x = x + b.out_proj(attended * torch.sigmoid(gate))
-            x = x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
+            x = x + b.mlp(rms_norm(x, b.ln_post, eps), fixed=self.fixed_shapes)
             prev = rms_norm(x, self.mtp_final_norm, eps)
             if head is None:
                 token = self.lm_head(prev).argmax(-1)
@@ -367,7 +385,7 @@ class Qwen35:
             else:
                 h = self._linear_mixer_rows(h, b)
             x = x + h
-            x = x + swiglu_mlp(rms_norm(x, b.ln_post, eps), b.gate_up, b.down)
+            x = x + b.mlp(rms_norm(x, b.ln_post, eps), fixed=self.fixed_shapes)
         hidden = rms_norm(x, self.final_norm, eps)
         if self.mtp is not None:
             self._write_mtp_kv(embeds, torch.cat([self.last_hidden[None], hidden[:-1]]), rows, rope)
@@ -458,8 +476,9 @@ class Qwen35:
         return Span.fixed(self.rows, self.position) if fixed else Span.decode(position)
 
     def projections(self) -> list[Projection]:
-        """Every weight product a boundary computes: each decode step streams all of them once."""
-        out = [p for b in self.blocks for p in (b.in_proj, b.out_proj, b.gate_up, b.down)]
+        """Every weight product a boundary computes, routed experts aside: each decode step streams
+        all of them once (and, in an MoE model, its k routed experts per layer)."""
+        out = [p for b in self.blocks for p in (b.in_proj, b.out_proj, *b.mlp.projections())]
         if self.mtp is not None:
             out += [self.mtp_fc, self.mtp_kv_proj]
         return out + [self.lm_head]
@@ -467,13 +486,21 @@ class Qwen35:
     def draft_projections(self) -> list[Projection]:
         """The MTP layer's products that only a draft computes (beside ``projections``' MTP ones)."""
         b = self.mtp
-        return [] if b is None else [b.in_proj, b.out_proj, b.gate_up, b.down]
+        return [] if b is None else [b.in_proj, b.out_proj, *b.mlp.projections()]
+
+    def expert_projections(self) -> list[Projection]:
+        """Every routed expert's products (MTP layer's too); a row runs only the k it is routed to."""
+        blocks = self.blocks + ([self.mtp] if self.mtp is not None else [])
+        return [p for b in blocks for p in b.mlp.expert_projections()]
 
     def weight_bytes_per_token(self) -> int:
-        """Bytes of weights one decode step reads (the embedding table: one row only)."""
+        """Bytes of weights one decode step reads (the embedding table: one row only; of the
+        experts, the k routed per layer)."""
+        routed = sum(b.mlp.routed_bytes() for b in self.blocks)
         tensors = [p.w for p in self.projections()] + [self.final_norm]
         for b in self.blocks:
             tensors += [t for t in (b.ln_in, b.ln_post, b.norm_a, b.conv) if t is not None]
         if self.mtp is not None:
             tensors += [self.mtp_norm_embed, self.mtp_norm_hidden, self.mtp.ln_in, self.mtp_k_norm]
-        return sum(t.numel() * t.element_size() for t in tensors) + self.embed[0].numel() * self.embed.element_size()
+        embed_row = self.embed[0].numel() * self.embed.element_size()
+        return routed + sum(t.numel() * t.element_size() for t in tensors) + embed_row
