@@ -95,6 +95,7 @@ def test_an_interrupt_that_never_resumes_leaves_no_capsule_once_its_lease_ends(l
         time.sleep(0.005)
     root.stop(Status.INVALID)   # the tree is abandoned mid-interrupt
     tree.shutdown()
+    assert root.abandoned == 1 and py_trees.blackboard.Blackboard.get("interrupt") is False   # not served twice
     while live.node.engine.capsules.list():
         assert time.monotonic() < deadline, "the interrupt's capsule outlived its lease"
         time.sleep(0.05)
@@ -116,3 +117,4 @@ def test_a_failed_restore_fails_the_interruptible_instead_of_resuming_another_st
     assert run_tree(root, period_s=0.005, timeout_s=60) == Status.FAILURE
     assert root.task.status == Status.INVALID   # the task did not run on the urgent request's state
     assert py_trees.blackboard.Blackboard.get("flashrt_error")["name"] == "UNKNOWN_CAPSULE"
+    assert py_trees.blackboard.Blackboard.get("interrupt") is False   # over: a tick again does not serve it again

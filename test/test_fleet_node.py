@@ -57,8 +57,8 @@ def test_diagnostics_and_events_follow_the_server(ros_context, kv_server, tmp_pa
         h.close()
 
 
-def test_a_fleet_url_without_a_key_is_refused_at_configure(ros_context, kv_server):
-    h = Harness(ros_context, {"fleet.url": kv_server.url}, activate=False)
+def test_a_fleet_url_without_a_key_is_refused_at_configure(ros_context):
+    h = Harness(ros_context, {"fleet.url": "redis://127.0.0.1:6379/0"}, activate=False)
     try:
         from lifecycle_msgs.msg import State
 

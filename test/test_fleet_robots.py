@@ -51,8 +51,12 @@ class Robot:
     def generate(self, prompt: str, n: int) -> list[int]:
         from flashrt_ros.action import Generate
 
-        handle = wait_future(self.client.actions.send_goal_async(Generate.Goal(prompt=prompt, max_new_tokens=n)), 60)
-        result = wait_future(handle.get_result_async(), 120).result
+        try:
+            handle = wait_future(self.client.actions.send_goal_async(Generate.Goal(prompt=prompt, max_new_tokens=n)),
+                                 60)
+            result = wait_future(handle.get_result_async(), 120).result
+        except TimeoutError:
+            raise AssertionError(f"{self.name} (exit status {self.proc.poll()}) answered no goal:\n{self.tail()}")
         assert result.success, result.message
         return list(result.tokens)
 
@@ -67,8 +71,11 @@ class Robot:
                     self.proc.wait()
 
     def close(self) -> None:
-        self.stop()
-        self.client.close()
+        try:
+            self.stop()
+        finally:
+            self.client.close()
+            self.log.close()
 
     def tail(self) -> str:
         self.log.flush()
@@ -97,6 +104,9 @@ def test_two_robots_share_state_through_a_real_server(tmp_path, monkeypatch):
             published = a.call("snapshot", name="task", tier="fleet", lease_s=0.0)
             assert published.success, published.message
             assert published.capsule.tier == "fleet" and published.capsule.digest
+            # A's own capsule, restored through the fleet: served from A's store, nothing pulled
+            # (its journal, replayed, makes the snapshot under another id and must not pull it).
+            assert a.call("restore", capsule_id="task", tier="fleet").success
             assert "task" in [c.name for c in b.call("list_capsules", tier="fleet").capsules]
             restored = b.call("restore", capsule_id="task", tier="fleet", verify=True)
             assert restored.success, restored.message
@@ -125,7 +135,7 @@ def test_two_robots_share_state_through_a_real_server(tmp_path, monkeypatch):
                                     ("snapshot", {"name": "x", "tier": "fleet"}),
                                     ("list_capsules", {"tier": "fleet"})):
                 down = b.call(service, **fields)
-                assert not down.success and down.error_code in (ErrorCode.FLEET_UNAVAILABLE,), (service, down.message)
+                assert not down.success and down.error_code == ErrorCode.FLEET_UNAVAILABLE, (service, down.message)
             after = b.call("list_capsules")
             assert after.position == before.position
             assert sorted(c.id for c in after.capsules) == sorted(c.id for c in before.capsules)

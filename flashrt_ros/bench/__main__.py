@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         ("replay", lambda: replay.run(60.0 if args.quick else 600.0)),
         ("speculative", lambda: speculative.run(args.device, 32 if args.quick else 128, 1 if args.quick else 5)),
         ("fleet", lambda: fleet.run(None, (512, 1024) if args.quick else (2048, 8192, 16384), rounds)),
-        ("released", lambda: released.run("Qwen3.5-0.8B", *((64, 4, 1, (512,)) if args.quick else (512, 16, 3, (2048,))))),
+        ("released", lambda: released.run("Qwen3.5-0.8B", *((64, 4, 1, (512,)) if args.quick
+                                                            else (512, 16, 3, (2048,))))),
     ]
     results: dict = {"machine": machine(), "device": args.device, "code": code_version(), "started": time.time(),
                      "seconds": {}}

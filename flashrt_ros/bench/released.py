@@ -107,11 +107,11 @@ def parity(cfg: ModelConfig) -> dict:
     return {"max_logit_diff": diff, "tokens_identical": same, "tokens": PARITY_TOKENS}
 
 
+@torch.no_grad()
 def run(model: str = "Qwen3.5-0.8B", prompt: int = 512, tokens: int = 16, rounds: int = 3,
         ttft: tuple[int, ...] = (2048,), cfg: ModelConfig | None = None) -> dict:
     """``cfg``: another shape, named ``model`` in the output (a test's small one)."""
     cfg = cfg or config_of(model)
-    torch.set_grad_enabled(False)
     print(f"released shape {model} (random weights) on {machine()}")
     print("1. loading a bf16 checkpoint folder")
     loaded = load_ratio(cfg, rounds)

@@ -13,8 +13,12 @@ carries a lease (``lease_s``), so an interrupt that never resumes (the tree halt
 ``urgent``, a restore that fails) leaves no capsule once the lease runs out. An interrupt
 that arrives while one is being served is the same one.
 
-FAILURE when the snapshot, the restore or the drop fails (the state is then not the task's,
-and resuming it would act on another's memory), else whatever ``task`` returns.
+FAILURE when the snapshot or the restore fails (the state is then not the task's, and
+resuming it would act on another's memory), else whatever ``task`` returns; a drop that fails
+after a good restore is left to the lease. An interrupt that fails, or that a halt abandons
+while it is served, is over: its key is cleared, so that ticking the Interruptible again does
+not serve it a second time. After an abandoned one the state is the urgent branch's until the
+tree restores another (``abandoned`` counts them).
 """
 from __future__ import annotations
 
@@ -42,12 +46,14 @@ class Interruptible(py_trees.composites.Composite):
             Snapshot(f"{name}: snapshot", node, capsule_key, lease_s=lease_s, **calls),
             py_trees.decorators.FailureIsSuccess(f"{name}: urgent (either outcome)", urgent),
             Restore(f"{name}: restore", node, capsule_key, **calls),
-            Drop(f"{name}: drop", node, capsule_key, **calls)])
+            py_trees.decorators.FailureIsSuccess(f"{name}: drop (else its lease)",
+                                                 Drop(f"{name}: drop", node, capsule_key, **calls))])
         super().__init__(name, children=[task, self.serve])
         self.task, self.interrupt_key = task, interrupt_key
         self.flag = self.attach_blackboard_client(name=f"{name}: interrupt flag")
         self.flag.register_key(interrupt_key, access=Access.WRITE)
         self.interrupts = 0   # served to the end and resumed
+        self.abandoned = 0    # halted while served
 
     def _pending(self) -> bool:
         return bool(self.flag.get(self.interrupt_key)) if self.flag.exists(self.interrupt_key) else False
@@ -70,6 +76,7 @@ class Interruptible(py_trees.composites.Composite):
                 yield self
                 return
             if self.serve.status == Status.FAILURE:
+                self.flag.set(self.interrupt_key, False)
                 self.stop(Status.FAILURE)
                 yield self
                 return
@@ -84,6 +91,12 @@ class Interruptible(py_trees.composites.Composite):
         else:
             self.stop(self.task.status)
         yield self
+
+    def stop(self, new_status: Status = Status.INVALID) -> None:
+        if new_status == Status.INVALID and self.serve.status == Status.RUNNING:
+            self.flag.set(self.interrupt_key, False)
+            self.abandoned += 1
+        super().stop(new_status)
 
     # A composite of two fixed children: they are not added or removed after construction.
     def add_child(self, child: py_trees.behaviour.Behaviour) -> Any:

@@ -75,7 +75,7 @@ class World:
         return math.hypot(p.x - g.x, p.y - g.y)
 
 
-class _Call(py_trees.behaviour.Behaviour):
+class SimCall(py_trees.behaviour.Behaviour):
     """A std_srvs call to the simulation, made once its service is there; SUCCESS on its
     answer's success, FAILURE on a refusal or after ``timeout_s``."""
 
@@ -105,7 +105,7 @@ class _Call(py_trees.behaviour.Behaviour):
         self._future = None
 
 
-class _Until(py_trees.behaviour.Behaviour):
+class Until(py_trees.behaviour.Behaviour):
     """SUCCESS once ``ready()`` holds (after ``then()``, if given); FAILURE after ``timeout_s``."""
 
     def __init__(self, name: str, ready: Callable[[], bool], then: Callable[[], None] | None = None,
@@ -124,20 +124,20 @@ class _Until(py_trees.behaviour.Behaviour):
         return Status.SUCCESS
 
 
-def give_goal(world: World) -> _Until:
+def give_goal(world: World) -> Until:
     """Publish the episode's goal to the policy, once (it starts the policy's episode); the
     policy's commands are counted from here."""
     def publish() -> None:
         world.commands = 0
         world.goal_out.publish(world.goal)
 
-    return _Until("give the goal", lambda: world.goal is not None and world.goal_out.get_subscription_count() > 0,
+    return Until("give the goal", lambda: world.goal is not None and world.goal_out.get_subscription_count() > 0,
                   then=publish)
 
 
-def goal_taken_in(world: World) -> _Until:
+def goal_taken_in(world: World) -> Until:
     """SUCCESS once the policy has answered its first observation of the episode (the goal step)."""
-    return _Until("goal taken in", lambda: world.commands >= 1)
+    return Until("goal taken in", lambda: world.commands >= 1)
 
 
 class Attempt(py_trees.behaviour.Behaviour):
@@ -176,14 +176,14 @@ def reach_with_retry(node: Any, server: str = "/flashrt", sim: str = "/flashrt_s
     first, second = Attempt("attempt", world), Attempt("retry", world)
     root = Seq("reach, with a rollback on failure", memory=True, children=[
         give_goal(world),
-        _Call("start the episode", world.reset, Trigger.Request()),
+        SimCall("start the episode", world.reset, Trigger.Request()),
         goal_taken_in(world),
         Snapshot("snapshot: goal taken in", node, "goal_taken_in", pin=True, server=server),
-        *([_Call("jam the shoulder", world.jam, SetBool.Request(data=True))] if jam else []),
+        *([SimCall("jam the shoulder", world.jam, SetBool.Request(data=True))] if jam else []),
         Selector("attempt, or roll back and retry", memory=True, children=[
             first,
             Seq("roll back and retry", memory=True, children=[
-                _Call("free the shoulder", world.jam, SetBool.Request(data=False)),
+                SimCall("free the shoulder", world.jam, SetBool.Request(data=False)),
                 Restore("restore: goal taken in", node, "goal_taken_in", server=server),
                 second]),
         ]),

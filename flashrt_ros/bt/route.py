@@ -19,6 +19,7 @@ restore (the ablation's row (d)).
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ from std_srvs.srv import Trigger
 from ..sim.interruption import URGENT_MAX_PERIODS
 from ..sim.waypoints import PERIODS_PER_WAYPOINT, VISIT_RADIUS_M, Route
 from .interruptible import Interruptible
-from .reach import _Call, _Until
+from .reach import SimCall, Until
 
 INTERRUPT_KEY = "interrupt"
 
@@ -49,6 +50,7 @@ class RouteWorld:
         self.periods = 0
         self.visited = 0
         self._positions: list[np.ndarray] = []
+        self._lock = threading.Lock()   # the executor's thread appends, the tree's takes
         node.create_subscription(JointState, f"{server}/joint_states", self._on_state, 100)
         node.create_subscription(PoseStamped, f"{server}/ee_pose", self._on_pose, 100)
         self.route_out = node.create_publisher(PoseArray, f"{server}/route", 10)
@@ -67,11 +69,13 @@ class RouteWorld:
 
     def _on_pose(self, msg: PoseStamped) -> None:
         p = msg.pose.position
-        self._positions.append(np.array([p.x, p.y]))
+        with self._lock:
+            self._positions.append(np.array([p.x, p.y]))
 
     def take_positions(self) -> list[np.ndarray]:
         """The end effector's positions (x, y) published since the last take, oldest first."""
-        taken, self._positions = self._positions, []
+        with self._lock:
+            taken, self._positions = self._positions, []
         return taken
 
     def waypoints(self) -> list[np.ndarray]:
@@ -169,25 +173,27 @@ def _pose(point: Any) -> Pose:
     return pose
 
 
-def give_route(world: RouteWorld) -> _Until:
+def give_route(world: RouteWorld) -> Until:
     """Publish the episode's route to the policy, once (it starts the policy's episode)."""
     def publish() -> None:
         world.route_out.publish(world.route)
 
-    return _Until("give the route", lambda: world.route is not None and world.route_out.get_subscription_count() > 0,
+    return Until("give the route", lambda: world.route is not None and world.route_out.get_subscription_count() > 0,
                   then=publish)
 
 
-def start_episode(world: RouteWorld, operator: Operator) -> py_trees.behaviour.Behaviour:
-    """Reset the arm to the episode's start; the operator counts periods from here."""
-    class Start(_Call):
-        def update(self) -> Status:
-            status = super().update()
-            if status == Status.SUCCESS:
-                operator.start = world.periods
-            return status
+class StartEpisode(SimCall):
+    """Reset the arm to the episode's start; the operator counts periods from there."""
 
-    return Start("start the episode", world.reset, Trigger.Request())
+    def __init__(self, world: RouteWorld, operator: Operator) -> None:
+        super().__init__("start the episode", world.reset, Trigger.Request())
+        self.world, self.operator = world, operator
+
+    def update(self) -> Status:
+        status = super().update()
+        if status == Status.SUCCESS:
+            self.operator.start = self.world.periods
+        return status
 
 
 def route_episode(node: Any, world: RouteWorld, operator: Operator, point: Any, hold: int,
@@ -202,7 +208,7 @@ def route_episode(node: Any, world: RouteWorld, operator: Operator, point: Any, 
     else:
         raise ValueError(f"resume over ROS is 'full' or 'none', got {resume!r}")
     root = Seq("waypoint episode", memory=True, children=[give_route(world),
-                                                        start_episode(world, operator), served])
+                                                        StartEpisode(world, operator), served])
     return root, follow, urgent
 
 

@@ -80,6 +80,15 @@ class Published(NamedTuple):
     seconds: float
 
 
+class Fetched(NamedTuple):
+    """A fleet capsule verified in this process's memory, not yet in a store (``FleetTier.fetch``)."""
+
+    info: CapsuleInfo
+    log: tuple
+    data: torch.Tensor
+    received: int
+
+
 class Collected(NamedTuple):
     """What a collection did: chunks deleted and their bytes; manifests read, chunks they name;
     manifests it could not read (while there are any, it deletes nothing)."""
@@ -247,6 +256,13 @@ class FleetTier:
         whole = info._replace(tier="fleet", name=name or "", pinned=False, nbytes=layout.ranges_bytes(info.position))
         return Published(whole, len(digests), whole.nbytes, sent, sent_bytes, time.monotonic() - started)
 
+    def check_publish(self, name: str | None, ttl_s: float | None) -> None:
+        """InvalidCapsuleRequest now for a name or a lease a publish would refuse: a caller
+        about to make a capsule only to publish it asks first."""
+        _lease_ms(ttl_s)
+        if name:
+            check_name(name)
+
     def _commit(self, capsule_id: str, manifest: bytes, name: str, lease: str, digests: list[str],
                 unique: dict[str, Any], deadline: _Deadline,
                 progress: Callable[[int, int], None] | None) -> tuple[int, int]:
@@ -310,24 +326,39 @@ class FleetTier:
     # ---- pull ------------------------------------------------------------------------------------
     def pull(self, store: CapsuleStore, ref: str, tier: str = "host", *, name: str | None = None,
              deadline_s: float | None = None) -> CapsuleInfo:
-        """The fleet capsule ``ref`` (an id or a name) as a capsule of ``store`` in ``tier``,
-        its id the same, named ``name`` there (None: ``ref`` when it is a name). One the store holds already is returned at once (by id without a call
-        to the server; a name is resolved first, since a name may move). Refused whole, with
-        nothing added: UnknownCapsule, UntrustedCapsule, FingerprintMismatch, CorruptCapsule,
-        IncompleteCapsule (a chunk is gone), BudgetExceeded (no room here), FleetUnavailable."""
+        """The fleet capsule ``ref`` (an id or a name) as a capsule of ``store`` in ``tier``, its
+        id the same, named ``name`` there (None: ``ref`` when it is a name): ``local``, else
+        ``fetch`` then ``adopt``. Refused whole, with nothing added: UnknownCapsule,
+        UntrustedCapsule, FingerprintMismatch, CorruptCapsule, IncompleteCapsule (a chunk is
+        gone), BudgetExceeded (no room here), FleetUnavailable."""
+        capsule_id = self.resolve(ref)
+        held = self.local(store, capsule_id)
+        if held is not None:
+            return held
+        fetched = self.fetch(store, capsule_id, tier, deadline_s=deadline_s)
+        return self.adopt(store, fetched, tier, ref if name is None and ref != capsule_id else name or "")
+
+    def local(self, store: CapsuleStore, capsule_id: str) -> CapsuleInfo | None:
+        """The store's own copy of fleet capsule ``capsule_id`` (an id: a name may move, resolve it
+        first), if it holds one; None if it must be fetched."""
+        if store.kept(capsule_id) is None:
+            return None
+        self._count(served_locally=1)
+        return store.get(capsule_id)
+
+    def fetch(self, store: CapsuleStore, capsule_id: str, tier: str = "host", *,
+              deadline_s: float | None = None) -> Fetched:
+        """Fleet capsule ``capsule_id``'s manifest checked against ``store``'s model and layout,
+        its chunks fetched into memory this process allocates and verified, chunk by chunk and
+        whole (its digest and history hash): what ``adopt`` adds. The store is only asked
+        whether ``tier`` has room; nothing is added to it."""
         check_tier(tier)
         deadline = _Deadline("pull", deadline_s)
         try:
-            capsule_id = self.resolve(ref)
-            local = store.kept(capsule_id)
-            if local is not None:
-                self._count(served_locally=1)
-                return store.get(capsule_id)
             with self._talking("pull"):
                 raw = self._client.get(self.keys.manifest(capsule_id))
             if raw is None:
-                named = f" (named {ref!r})" if ref != capsule_id else ""
-                raise UnknownCapsule(f"no fleet capsule {capsule_id}{named}")
+                raise UnknownCapsule(f"no fleet capsule {capsule_id}")
             manifest = fleet_manifest.decode(raw, self._key, store.layout, store.log_kinds, store.model_fingerprint,
                                              capsule_id)
             info = manifest.info
@@ -341,13 +372,20 @@ class FleetTier:
                                      "not match its digest")
             if history_digest(store.layout.regions, info.position, read) != info.history_hash:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: does not match its history hash")
-            if name is None:
-                name = ref if ref != capsule_id else ""
-            pulled = store.adopt(info._replace(name=name), manifest.log, data, tier)
         except CapsuleError:
             self._count(failures=1)
             raise
-        self._count(pulled=1, bytes_received=received)
+        return Fetched(info, manifest.log, data, received)
+
+    def adopt(self, store: CapsuleStore, fetched: Fetched, tier: str, name: str = "") -> CapsuleInfo:
+        """The fetched capsule added to ``store``'s ``tier`` under ``name`` (``CapsuleStore.adopt``:
+        the store takes ``fetched.data`` over)."""
+        try:
+            pulled = store.adopt(fetched.info._replace(name=name), fetched.log, fetched.data, tier)
+        except CapsuleError:
+            self._count(failures=1)
+            raise
+        self._count(pulled=1, bytes_received=fetched.received)
         return pulled
 
     def _fetch(self, manifest: fleet_manifest.Manifest, out: Any, deadline: _Deadline) -> int:

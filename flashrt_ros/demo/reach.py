@@ -62,7 +62,7 @@ def over_ros(out: Path, seed: int = ablation.ABLATION_SEEDS.start, policy: Path 
             _drive(context, result)
         finally:
             context.try_shutdown()
-            _stop(procs)
+            stop_processes(procs)
     bags = sorted(journals.glob("session-*"))
     if bags:
         result.bag = bags[-1]
@@ -85,7 +85,7 @@ def _drive(context, result: OverRos) -> None:
     try:
         root, world, attempts = reach_with_retry(client)
         threading.Thread(target=executor.spin, daemon=True).start()
-        _wait_for_policy(client)
+        wait_for_policy(client)
         result.status = run(root, timeout_s=120.0).name
         tip = root.tip()
         if result.status != "SUCCESS" and tip is not None:
@@ -99,7 +99,7 @@ def _drive(context, result: OverRos) -> None:
         client.destroy_node()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop_processes(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         proc.terminate()
     for proc in procs:
@@ -110,7 +110,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def _wait_for_policy(client, timeout_s: float = 120.0) -> None:
+def wait_for_policy(client, timeout_s: float = 120.0) -> None:
     """Until the policy node serves (its capsule services answer as active)."""
     from ..srv import ListCapsules
 

@@ -35,7 +35,7 @@ ENTRY_TYPE = "flashrt_ros/msg/JournalEntry"
 _REQUEST = {PREFILL: ("token_ids", "prompt"), DECODE: (), STEP: ("observation",),
             SNAPSHOT: ("name", "tier", "pin", "request_id", "requested_tier", "lease_s"),
             FORK: ("source_id", "name", "tier", "lease_s"), RESTORE: ("capsule_id", "verify"),
-            ROLLBACK: ("steps", "to_position"), DROP: ("capsule_id",), SPILL: ("spill",),
+            ROLLBACK: ("steps", "to_position"), DROP: ("capsule_id", "request_id"), SPILL: ("spill",),
             PULL: ("capsule_id", "name", "tier")}
 _REQUEST_FIELDS = {"token_ids", "prompt", "temperature", "seed", "observation", "name", "tier", "requested_tier",
                    "pin", "request_id", "lease_s", "source_id", "capsule_id", "verify", "steps", "to_position", "spill"}

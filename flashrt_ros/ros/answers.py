@@ -14,8 +14,10 @@ engine's own operations), each bounded by ``Call.deadline_s``.
 """
 from __future__ import annotations
 
+import logging
+import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from ..capsule import CapsuleInfo
@@ -26,6 +28,8 @@ from ..serving.journal import DROP, FORK, RESTORE, ROLLBACK, SNAPSHOT
 from ..serving.operations import Applied, Drop, requested
 from ..srv import DropCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from .convert import info_msg
+
+log = logging.getLogger(__name__)
 
 LIST = "list"
 FLEET = "fleet"
@@ -43,6 +47,14 @@ class Call:
     locked: Callable[[], AbstractContextManager]
     fleet: Any = None
     deadline_s: float | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float | None:
+        """What is left of ``deadline_s`` for the next exchange of this request (a Fork pulls
+        and publishes within one deadline)."""
+        if self.deadline_s is None:
+            return None
+        return max(1e-3, self.deadline_s - (time.monotonic() - self.started))
 
     def the_fleet(self) -> Any:
         if self.fleet is None:
@@ -68,24 +80,36 @@ def _published(response: Any, made: Applied, request: Any, lease_s: float, call:
     fleet, info = call.the_fleet(), made.value
     try:
         published = fleet.publish(call.session.engine.capsules, info, name=request.name or None,
-                                  ttl_s=lease_s or None, deadline_s=call.deadline_s)
+                                  ttl_s=lease_s or None, deadline_s=call.left())
     except Exception:
+        response.capsule_id, response.capsule = "", info_msg(None)
         if not made.repeat:
-            with call.locked():
-                call.session.apply(Drop(info.id))
+            _unmake(info, getattr(request, "request_id", ""), call)
         raise
     return _with_capsule(response, published.info)
 
 
+def _unmake(info: CapsuleInfo, request_id: str, call: Call) -> None:
+    """Drop the capsule a failed publish made, and forget its request_id (a retry makes and
+    publishes anew); journaled, so a replay forgets it too. What fails here is logged: the
+    publish's failure is the answer."""
+    try:
+        with call.locked():
+            call.session.apply(Drop(info.id, request_id=request_id))
+    except Exception as exc:   # evicted meanwhile, or the node stopped serving: the lease or cleanup ends it
+        log.warning("capsule %s of a failed publish not dropped: %s", info.id, exc)
+
+
 def _pulled(ref: str, call: Call) -> str:
-    """The id of the fleet capsule ``ref`` (an id, or a name on the fleet), pulled into the host tier."""
-    return call.session.pull(ref, "host", deadline_s=call.deadline_s).id
+    """The id of the fleet capsule ``ref`` (an id, or a name on the fleet), pulled into the host
+    tier, added and journaled while the node still serves."""
+    return call.session.pull(ref, "host", deadline_s=call.left(), locked=call.locked).id
 
 
 def snapshot(request: Any, response: Any, call: Call) -> Answer:
     op = requested(SNAPSHOT, request, call.default_tier)
     if request.tier == FLEET:   # made in the default tier; a repeat of its request_id matches "fleet"
-        call.the_fleet()        # refused before a capsule is made
+        call.the_fleet().check_publish(request.name or None, op.lease_s or None)   # before a capsule is made
         op = replace(op, tier=call.default_tier)
     with call.locked():
         applied = call.session.apply(op)
@@ -112,7 +136,7 @@ def fork(request: Any, response: Any, call: Call) -> Answer:
     # no tier goes to; a fork of a capsule shares its bytes, in its tier.
     op = requested(FORK, request, call.default_tier)
     if request.tier == FLEET:
-        call.the_fleet()
+        call.the_fleet().check_publish(request.name or None, op.lease_s or None)
         if op.source_id:
             op = replace(op, source_id=_pulled(op.source_id, call))
     with call.locked():

@@ -42,10 +42,15 @@ def _read(args: argparse.Namespace) -> Any:
         if salvaged is not None:
             print(f"flashrt-replay --live: {args.bag}: {salvaged.describe()}", file=sys.stderr)
         if is_journal_bag(bag):
-            unplayed = sorted({e.kind for e in read_bag(bag).entries} - _PLAYED)
+            entries = read_bag(bag).entries
+            unplayed = sorted({e.kind for e in entries} - _PLAYED)
             if unplayed:
                 raise InvalidArgument(f"the journal holds {', '.join(unplayed)} operations, which a live replay "
                                       "does not play: replay it in-process (without --live)")
+            # Played into a node, a fleet snapshot would publish to the fleet again (and move its name).
+            if any(e.request.get("requested_tier") == "fleet" for e in entries):
+                raise InvalidArgument("the journal holds snapshots published to the fleet tier, which a live "
+                                      "replay would publish again: replay it in-process (without --live)")
         recording = read_recorded(str(bag), args.session)
     check_entries(recording.journal.entries, RECORDED_OUTPUTS)
     return recording

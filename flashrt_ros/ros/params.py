@@ -110,8 +110,10 @@ PARAMS = (
     Param("fleet.password_file", "", "file holding the server's password (of fleet.username, or of the URL's "
           "user); empty = none"),
     Param("fleet.username", "", "ACL user on the server; empty = the URL's, or the default user"),
-    Param("fleet.timeout_s", 5.0, "seconds one fleet request (a publish, a pull, a list) may take in all; a "
-          "capsule service waits behind one at most this long", read_only=False, lo=0.01, hi=3600.0),
+    Param("fleet.timeout_s", 5.0, "seconds one fleet request (a publish, a pull, both for a fork) may take, "
+          "checked between its exchanges, each of which takes at most 2 s (or this, if shorter, as read at "
+          "configure); a capsule service waits behind one about this long", read_only=False, lo=0.01,
+          hi=3600.0),
     Param("autostart", False, "configure and activate at start"),
 )
 

@@ -88,7 +88,7 @@ class Reporter:
         self._record("~/events", msg)
 
     def status(self, label: str, session: Session | None, generating: bool, failures: int,
-               fleet: Any = None) -> None:
+               fleet_watch: Any = None) -> None:
         """~/status and /diagnostics now; a fault is counted and logged, never raised (an engine
         fault, a sticky CUDA error say, must not stop the executor that calls this)."""
         try:
@@ -105,8 +105,9 @@ class Reporter:
             self._status.publish(status)
             counters = {**self.counters, "service_failures": failures}
             array = diagnostics_msg(self._node.get_name(), status, self.latencies, counters, now)
-            if fleet is not None:
-                array.status.append(fleet_diagnostics(self._node.get_name(), fleet, fleet.fleet.stats()))
+            if fleet_watch is not None:
+                array.status.append(fleet_diagnostics(self._node.get_name(), fleet_watch,
+                                                      fleet_watch.fleet.stats()))
             self._diagnostics.publish(array)
         except Exception:
             if not self._node.context.ok():   # a SIGTERM landed while the timer ran: not a fault

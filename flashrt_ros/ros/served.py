@@ -33,6 +33,7 @@ from .recorder import Recorder
 from .reporting import STATUS_QOS, Unasked
 
 TICK_S = 0.05   # a lease ends, and a capsule event goes out, within this
+EXCHANGE_S = 2.0   # the longest one exchange with the fleet's server may take
 
 
 class ConfigureFailed(Exception):
@@ -183,9 +184,12 @@ def _fleet(vals: dict[str, Any], node: Any) -> Any:
         return None
     from ..capsule.fleet import FleetTier   # with its client library, only where a fleet is configured
     from ..capsule.fleet_config import node_id
+    # One exchange is bounded by the request's budget too, where that is shorter than the tier's own.
+    exchange_s = min(EXCHANGE_S, float(vals["fleet.timeout_s"]))
     return FleetTier(vals["fleet.url"], signing.load_key(vals["capsule_key_file"]), vals["fleet.prefix"],
                      password_file=vals["fleet.password_file"], username=vals["fleet.username"],
-                     node=node_id(node.get_fully_qualified_name()))
+                     node=node_id(node.get_fully_qualified_name()), timeout_s=exchange_s,
+                     connect_timeout_s=exchange_s)
 
 
 def _build(vals: dict[str, Any]) -> tuple[Engine, Any]:

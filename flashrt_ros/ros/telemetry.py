@@ -88,16 +88,16 @@ def diagnostics_msg(node_name: str, status: RuntimeStatus, latencies: Latencies,
 def fleet_diagnostics(node_name: str, watch: Any, stats: Any) -> DiagnosticStatus:
     """The fleet tier's entry: whether its server answers (``ros.fleet_watch``), the last ping's
     round trip, and what this node sent and received (``capsule.fleet.FleetStats``)."""
-    config = watch.fleet.config
-    if watch.reachable is None:
+    config, seen = watch.fleet.config, watch.seen()
+    if seen.reachable is None:
         level, message = DiagnosticStatus.WARN, "fleet tier: not reached yet"
-    elif watch.reachable:
+    elif seen.reachable:
         level, message = DiagnosticStatus.OK, "fleet tier reachable"
     else:
-        level, message = DiagnosticStatus.ERROR, f"fleet tier unreachable: {watch.error}"[:500]
+        level, message = DiagnosticStatus.ERROR, f"fleet tier unreachable: {seen.error}"[:500]
     values = [KeyValue(key="url", value=config.url), KeyValue(key="prefix", value=config.prefix),
               KeyValue(key="holder", value=config.node),
-              KeyValue(key="ping_ms", value=f"{watch.latency_s * 1e3:.3f}"),
+              KeyValue(key="ping_ms", value=f"{seen.latency_s * 1e3:.3f}"),
               KeyValue(key="published", value=str(stats.published)), KeyValue(key="pulled", value=str(stats.pulled)),
               KeyValue(key="served_locally", value=str(stats.served_locally)),
               KeyValue(key="bytes_sent", value=str(stats.bytes_sent)),

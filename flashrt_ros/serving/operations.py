@@ -136,8 +136,12 @@ class Rollback(Operation):
 
 @dataclass(frozen=True)
 class Drop(Operation):
+    """``request_id``: the snapshot request that made the capsule is forgotten too, so that its
+    retry makes one anew (the capsule of a publish that failed)."""
+
     KIND: ClassVar[str] = DROP
     capsule_id: str = ""
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,7 @@ class Rules:
         if isinstance(op, Drop):
             info = engine.capsules.drop(self._id(op.capsule_id))
             self.leases.forget(info.id)
+            self.requests.forget(op.request_id)
             return Applied(info, {})
         if isinstance(op, Spill):
             engine.capsules.spill = bool(op.spill)

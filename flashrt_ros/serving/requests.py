@@ -47,5 +47,9 @@ class SnapshotRequests:
             while len(self._seen) > self._remembered:
                 self._seen.popitem(last=False)
 
+    def forget(self, request_id: str) -> None:
+        """A request_id whose capsule was unmade: its retry is a new request."""
+        self._seen.pop(request_id, None)
+
     def clear(self) -> None:
         self._seen.clear()

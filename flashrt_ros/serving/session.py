@@ -8,14 +8,14 @@ and calls these methods, and an in-process user can do the same.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, NamedTuple, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
 from ..capsule import CapsuleInfo
-from ..errors import ErrorCode
+from ..errors import ErrorCode, InvalidArgument
 from ..runtime import Engine
-from ..errors import InvalidArgument
 from .journal import DECODE, PREFILL, STEP, Journal, action_bytes
 from .operations import (CAPSULE_KINDS, Applied, Decode, Drop, Fork, Operation, Prefill, Pull, Restore, Rollback,
                          Rules, Snapshot, Spill, Step)
@@ -85,17 +85,26 @@ class Session:
     def drop(self, capsule_id: str) -> CapsuleInfo:
         return self.apply(Drop(capsule_id)).value
 
-    def pull(self, ref: str, tier: str = "host", deadline_s: float | None = None) -> CapsuleInfo:
+    def pull(self, ref: str, tier: str = "host", deadline_s: float | None = None,
+             locked: Callable[[], AbstractContextManager] | None = None) -> CapsuleInfo:
         """The fleet capsule ``ref`` (an id, or a name on the fleet) in the local ``tier``, to
-        restore or fork like any other; one held here already is not fetched again. The
-        transfer holds no engine lock (steps and tokens go on): it adds a capsule and leaves the
-        live state alone. Journaled by id once it is in. A refused pull changes nothing and is
-        not journaled: the fleet's faults are not the engine's, and no replay reproduces them."""
+        restore or fork like any other. One held here already is returned as it is, nothing
+        journaled. Else the transfer and its checks hold no lock (steps and tokens go on), and
+        the capsule is added and journaled (``pull``, by id) under ``locked()`` (default: the
+        engine lock; a node passes the lock that also asks whether it still serves). A refused
+        pull changes nothing and is not journaled: the fleet's faults are not the engine's,
+        and no replay reproduces them."""
         fleet = self.rules.fleet
         if fleet is None:
             raise InvalidArgument("no fleet tier: this session was given none")
-        info = fleet.pull(self.engine.capsules, ref, tier, deadline_s=deadline_s)
-        with self.engine.lock:
+        store = self.engine.capsules
+        capsule_id = fleet.resolve(ref)
+        held = fleet.local(store, capsule_id)
+        if held is not None:
+            return held
+        fetched = fleet.fetch(store, capsule_id, tier, deadline_s=deadline_s)
+        with (locked or (lambda: self.engine.lock))():
+            info = fleet.adopt(store, fetched, tier, ref if ref != capsule_id else "")
             self._record(Pull.KIND, Pull(info.id, info.name, info.tier).journaled(), None, {"capsule_id": info.id})
         return info
 
