@@ -82,6 +82,18 @@ def test_the_engine_acts_as_the_training_reference_on_the_shipped_waypoint_polic
 
 
 @TRAINED
+def test_the_shipped_policy_without_a_restore_holds_the_urgent_point_and_never_heads_on():
+    arm = Arm()
+    with open_policy(DEFAULT_OUT) as engine:
+        for seed in (500, 501):
+            episode = Interrupted.sample(seed, arm)
+            resumed = run_interrupted(engine, arm, episode, "none")
+            assert resumed.remaining >= 1 and not resumed.success and resumed.heading is None, seed
+            x, y = resumed.paths["after"][-1]
+            assert ((x - episode.point[0]) ** 2 + (y - episode.point[1]) ** 2) ** 0.5 < 0.05, seed
+
+
+@TRAINED
 def test_the_ablation_runs_and_draws(tmp_path):
     from flashrt_ros.sim import resume_ablation
 
