@@ -19,7 +19,7 @@ policy's state recovered in one of these ways (``RESUMES``):
 
 The resume succeeds when the waypoints left at the interruption are all visited, in order,
 within ``PERIODS_PER_WAYPOINT`` control periods each. The same protocol serves the ablation
-(``resume_ablation``), the tests, and a tree over ROS that reproduces it.
+(``resume_ablation``) and the tests.
 """
 from __future__ import annotations
 
