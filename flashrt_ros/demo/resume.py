@@ -60,8 +60,11 @@ def run(out: Path, episodes: int = 20, policy: Path = DEFAULT_OUT) -> OverRos:
     with open(out / "resume_nodes.log", "w") as logs:
         try:
             procs.append(subprocess.Popen(
+                # A command that answers a state of the episode before a reset is refused, and the new
+                # state waits for the patience: a short one keeps the episodes moving.
                 [sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true",
-                 "-p", "task:=route", *WIRING], stdout=logs, stderr=subprocess.STDOUT, env=env))
+                 "-p", "lockstep_patience:=0.25", "-p", "task:=route", *WIRING],
+                stdout=logs, stderr=subprocess.STDOUT, env=env))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
                  str(package_file("config/reach_sim.yaml")), "-p", f"model_path:={policy}",
