@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -50,14 +51,7 @@ def over_ros(out: Path, seed: int = ablation.ABLATION_SEEDS.start, policy: Path 
     context = Context()
     with open(out / "reach_nodes.log", "w") as logs:
         try:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true",
-                 "-p", f"seed:={seed}", *WIRING], stdout=logs, stderr=subprocess.STDOUT, env=env))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
-                 str(package_file("config/reach_sim.yaml")), "-p", f"model_path:={policy}",
-                 "-p", f"journal_path:={journals}", "--log-level", "warn"],
-                stdout=logs, stderr=subprocess.STDOUT, env=env))
+            procs += start_pair(logs, env, [f"seed:={seed}"], policy, journals)
             rclpy.init(context=context)
             _drive(context, result)
         finally:
@@ -97,6 +91,18 @@ def _drive(context, result: OverRos) -> None:
     finally:
         executor.shutdown()
         client.destroy_node()
+
+
+def start_pair(logs: Any, env: dict, sim_params: list[str], policy: Path, journals: Path) -> list[subprocess.Popen]:
+    """flashrt_sim in lockstep (with ``sim_params``, ``name:=value``) and flashrt_node with the
+    policy at ``policy``, journaling into ``journals``, each a process of its own, wired together."""
+    sim = [sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true"]
+    for param in sim_params:
+        sim += ["-p", param]
+    node = [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
+            str(package_file("config/reach_sim.yaml")), "-p", f"model_path:={policy}",
+            "-p", f"journal_path:={journals}", "--log-level", "warn"]
+    return [subprocess.Popen(args, stdout=logs, stderr=subprocess.STDOUT, env=env) for args in (sim + WIRING, node)]
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:

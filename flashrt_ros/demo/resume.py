@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..resources import package_file
 from ..sim.interruption import Interrupted
 from ..sim.resume_ablation import ABLATION_SEEDS, wilson
 from ..sim.train_resume_policy import DEFAULT_OUT
 from ..sim.waypoints import PERIODS_PER_WAYPOINT
-from .reach import WIRING, stop_processes, wait_for_policy
+from .reach import start_pair, stop_processes, wait_for_policy
 
 SIM = "/flashrt_sim"
 RESUMES = {"full": "(a) full restore, the tree's snapshot", "none": "(d) no restore"}
@@ -59,17 +58,9 @@ def run(out: Path, episodes: int = 20, policy: Path = DEFAULT_OUT) -> OverRos:
     journals = out / "resume_journal"
     with open(out / "resume_nodes.log", "w") as logs:
         try:
-            procs.append(subprocess.Popen(
-                # A command that answers a state of the episode before a reset is refused, and the new
-                # state waits for the patience: a short one keeps the episodes moving.
-                [sys.executable, "-m", "flashrt_ros.ros.sim_node", "--ros-args", "-p", "lockstep:=true",
-                 "-p", "lockstep_patience:=0.25", "-p", "task:=route", *WIRING],
-                stdout=logs, stderr=subprocess.STDOUT, env=env))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "--params-file",
-                 str(package_file("config/reach_sim.yaml")), "-p", f"model_path:={policy}",
-                 "-p", f"journal_path:={journals}", "--log-level", "warn"],
-                stdout=logs, stderr=subprocess.STDOUT, env=env))
+            # A command that answers a state of the episode before a reset is refused, and the new
+            # state waits for the patience: a short one keeps the episodes moving.
+            procs += start_pair(logs, env, ["lockstep_patience:=0.25", "task:=route"], policy, journals)
             rclpy.init(context=context)
             _drive(context, result, range(ABLATION_SEEDS.start, ABLATION_SEEDS.start + episodes))
         finally:
