@@ -156,6 +156,9 @@ def test_a_bad_stream_call_fails_when_made_and_commits_nothing(n, sync_every):
     (lambda w: w.update({"model.norm.weight": torch.zeros(128, dtype=torch.int64)}), "torch.int64"),
     (lambda w: w.update({"model.norm.weight": torch.zeros(128).to(torch.float8_e4m3fn)}), "quantized"),
     (lambda w: w["model.layers.0.mlp.down_proj.weight"].view(-1)[7].fill_(float("nan")), "NaN or infinity"),
+    (lambda w: w["model.layers.1.mlp.up_proj.weight"].view(-1)[3].fill_(float("-inf")), "NaN or infinity"),
+    (lambda w: w.update({"model.norm.weight": torch.full((128,), 6e4, dtype=torch.float16).index_fill_(
+        0, torch.tensor([5]), float("inf"))}), "NaN or infinity"),
 ])
 def test_weights_handed_to_the_constructor_are_checked_before_anything_runs(damage, words):
     from flashrt_ros.errors import CheckpointError
@@ -165,6 +168,17 @@ def test_weights_handed_to_the_constructor_are_checked_before_anything_runs(dama
     damage(weights)
     with pytest.raises(CheckpointError, match=words):
         Engine(ModelConfig.tiny(), weights)
+
+
+def test_finite_weights_whose_sum_overflows_are_accepted():
+    """The finiteness check sums first; a sum that overflows (fp16 tops out at 65504) is checked
+    value by value, not refused."""
+    from flashrt_ros.runtime.weights import seeded_weights
+
+    weights = seeded_weights(ModelConfig.tiny())
+    weights["model.norm.weight"] = torch.full((128,), 6e4, dtype=torch.float16)
+    assert not torch.isfinite(weights["model.norm.weight"].sum())
+    Engine(ModelConfig.tiny(), weights).close()
 
 
 

@@ -82,8 +82,12 @@ class _Cast:
         return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
 
     def t(self, *parts: torch.Tensor) -> torch.Tensor:
-        """Fuse [out, in] matrices along out and store the result as [in, out]."""
-        return self(torch.cat(parts).t())
+        """Fuse [out, in] matrices along out and store the result as [in, out]. Transposed in the
+        stored dtype first and cast after, each copy one that torch runs at memory speed (a
+        transposing copy that also converts runs element by element)."""
+        whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
+        out = empty_huge((whole.shape[1], whole.shape[0]), self.dtype, self.device)
+        return out.copy_(whole.t() if whole.dtype == self.dtype else whole.t().contiguous())
 
     def proj(self, *parts: torch.Tensor) -> Projection:
         return Projection(self.t(*parts))
@@ -153,9 +157,11 @@ class Qwen35:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.cpu_kernels, self.fixed_shapes = cpu_kernels, fixed_shapes
         cast = _Cast(device, dtype)
-        self.embed = cast(weights["model.embed_tokens.weight"])
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = cast.proj(head)  # a second, transposed copy when tied: see _Block
+        self.lm_head = cast.proj(head)   # [in, out], as every projection (see _Block)
+        # Tied: the table is the head's own memory, read by column (a lookup gathers one row per
+        # token, a strided read), not a second copy of the largest matrix.
+        self.embed = self.lm_head.w.t() if cfg.tie_word_embeddings else cast(weights["model.embed_tokens.weight"])
         self.final_norm = cast.one_plus(weights["model.norm.weight"])
         slots = {FULL: 0, LINEAR: 0}
         self.blocks: list[_Block] = []
