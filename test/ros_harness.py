@@ -58,10 +58,11 @@ class Harness:
         return wait_future(self.clients[service].call_async(request), timeout)
 
     def generate(self, prompt: str = "", token_ids=(), max_new_tokens: int = 8, feedback=None,
-                 timeout: float = 60.0, temperature: float = 0.0, seed: int = -1, speculative: int = -1):
+                 timeout: float = 60.0, temperature: float = 0.0, seed: int = -1, speculative: int = -1,
+                 top_k: int = 0, top_p: float = 1.0):
         assert self.generate_client.wait_for_server(timeout_sec=10)
         goal = Generate.Goal(prompt=prompt, token_ids=list(token_ids), max_new_tokens=max_new_tokens,
-                             temperature=temperature, seed=seed, speculative=speculative)
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, speculative=speculative)
         handle = wait_future(self.generate_client.send_goal_async(goal, feedback_callback=feedback), timeout)
         assert handle.accepted
         return handle, handle.get_result_async()

@@ -10,7 +10,7 @@ import torch
 from flashrt_ros.replay import Journal, Tolerance, judge, replay
 from flashrt_ros.replay.journal import ReplayMismatch
 from flashrt_ros.replay.verdicts import DIFFERS, EXACT_ONLY, TIE, WITHIN
-from flashrt_ros.runtime import Engine, ModelConfig
+from flashrt_ros.runtime import Engine, ModelConfig, Sampling
 from flashrt_ros.runtime.backends import cpu as cpu_backend
 from flashrt_ros.runtime.weights import seeded_weights
 from flashrt_ros.serving.session import Session
@@ -37,7 +37,7 @@ def _record(engine: Engine) -> Journal:
     session.restore(made.info.id)
     for _ in range(6):
         session.step(torch.randn(CONFIG.obs_dim, generator=gen))
-    list(session.generate([], 8, temperature=0.9, seed=11))
+    list(session.generate([], 8, Sampling(0.9), seed=11))
     session.drop(made.info.id)
     return session.journal
 
@@ -79,7 +79,7 @@ def test_every_decode_records_the_margin_of_its_choice():
     list(session.generate([], 1))
     entry = session.journal.entries[-1]
     assert entry.outcome["margin"] == pytest.approx(float(top[0] - top[1]), rel=1e-6)
-    list(session.generate([], 4, temperature=0.7, seed=2))
+    list(session.generate([], 4, Sampling(0.7), seed=2))
     assert all(e.outcome["margin"] >= 0 for e in session.journal.entries if e.kind == "decode")
 
 

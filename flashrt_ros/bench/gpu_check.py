@@ -80,6 +80,16 @@ def _checks(graphed: Engine, eager: Engine, prompt: torch.Tensor) -> bool:
 
     ok &= _section("graphed decode", decode_matches)
 
+    def sampled_cut() -> bool:
+        # The truncated draw's own graph (a sort, a cumsum and a threshold at fixed shapes).
+        eager.arena.buffer.copy_(graphed.arena.buffer)
+        how = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}
+        same = graphed.generate(32, **how) == eager.generate(32, **how)
+        print(f"  graphed top-k/top-p draws == the same code uncaptured (32 tokens): {same}")
+        return same
+
+    ok &= _section("graphed sampled decode with a top-k/top-p cut", sampled_cut)
+
     def restore_time() -> bool:
         capsule = graphed.snapshot(pin=True)
         graphed.capsules.get(capsule.id)   # its digest now, not on another thread during the timings

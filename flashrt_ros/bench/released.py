@@ -15,7 +15,8 @@ seeded, so nothing is downloaded. In order, each step freeing what it made:
    limit (``bench.runtime`` at this shape);
 4. snapshot and restore against one plain copy of the same bytes, and the time to the first
    token from a capsule against a cold prefill (``bench.capsules`` at this shape); the
-   fixed-size and per-token state bytes.
+   fixed-size and per-token state bytes; decode greedy, sampled, and sampled within a
+   top-k/top-p cut.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -107,6 +109,29 @@ def parity(cfg: ModelConfig) -> dict:
     return {"max_logit_diff": diff, "tokens_identical": same, "tokens": PARITY_TOKENS}
 
 
+def draw_costs(engine: Engine, tokens: int, rounds: int) -> dict:
+    """Decode ms/token greedy, drawn at a temperature, and drawn within a top-k/top-p cut (a sort
+    of the vocabulary per token), each from the same state."""
+    engine.reset()
+    engine.prefill(torch.arange(64) % engine.config.vocab_size)
+    start = engine.snapshot(pin=True)
+    ways = {"greedy": {}, "sampled": {"temperature": 0.7}, "cut": {"temperature": 0.7, "top_k": 20, "top_p": 0.95}}
+
+    def timing(how: dict) -> Callable[[], float]:
+        def once() -> float:
+            engine.restore(start)
+            began = time.perf_counter()
+            engine.generate(tokens, **how, seed=1)
+            return (time.perf_counter() - began) / tokens * 1e3
+        return once
+
+    t = interleaved({name: timing(how) for name, how in ways.items()}, rounds)
+    engine.capsules.drop(start)
+    print(f"  decode ms/token: greedy {t['greedy']:.1f}, drawn at temperature 0.7 {t['sampled']:.1f}, "
+          f"within top_k 20 / top_p 0.95 {t['cut']:.1f} ({t['cut'] / t['greedy']:.2f}x greedy)")
+    return {"greedy_ms": t["greedy"], "sampled_ms": t["sampled"], "cut_ms": t["cut"]}
+
+
 @torch.no_grad()
 def run(model: str = "Qwen3.5-0.8B", prompt: int = 512, tokens: int = 16, rounds: int = 3,
         ttft: tuple[int, ...] = (2048,), cfg: ModelConfig | None = None) -> dict:
@@ -124,12 +149,14 @@ def run(model: str = "Qwen3.5-0.8B", prompt: int = 512, tokens: int = 16, rounds
         copies = capsules.copy_ratios(engine, [p for p in (256, 1024, 2048) if p <= max(ttft)], rounds)
         firsts = capsules.ttft(engine, list(ttft), rounds)
         sizes = capsules.size_account(engine)
+        draws = draw_costs(engine, tokens, rounds)
     checks = [verdict(f"{model}: load / read its files", loaded["load_s"] / loaded["read_s"], 2.0, False)]
     checks += [dict(c, name=f"{model}: {c['name']}") for c in speed["checks"]]
     checks += [verdict(f"{model}: restore / copy at {r['bytes'] / 2**20:.1f} MiB", r["restore_ratio"], 1.3, False)
                for r in copies if r["bytes"] >= 4 * 2**20]
     return {"machine": machine(), "model": model, "load": loaded, "parity": matched, "runtime": speed,
-            "copies": copies, "ttft": firsts, "sizes": sizes, "peak_rss_gib": peak_rss_gib(), "checks": checks}
+            "copies": copies, "ttft": firsts, "sizes": sizes, "draws": draws, "peak_rss_gib": peak_rss_gib(),
+            "checks": checks}
 
 
 def main() -> None:

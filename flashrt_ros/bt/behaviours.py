@@ -358,17 +358,19 @@ class Generate(_Call):
     halt or a timeout cancels the goal (the node stops it at the next committed boundary). A
     run that starts meanwhile sends its goal at once: the node queues it behind the canceled
     one (one goal waits at most; a goal beyond that is refused BUSY). A goal canceled by
-    another client is a FAILURE (CANCELED), not a short result. ``temperature`` and ``seed``
-    are the goal's (0 and -1: greedy, the state's own seed).
+    another client is a FAILURE (CANCELED), not a short result. ``temperature``, ``top_k``,
+    ``top_p`` and ``seed`` are the goal's (0, 0, 1 and -1: greedy, the state's own seed; a
+    temperature of -1 samples as the checkpoint's generation_config.json does).
     """
 
     def __init__(self, name: str, node: Any, result_key: str, prompt: str = "", max_new_tokens: int = 16,
                  server: str = "/flashrt", timeout_s: float = 30.0, error_key: str = "flashrt_error",
-                 wait_for_server_s: float = 5.0, temperature: float = 0.0, seed: int = -1) -> None:
+                 wait_for_server_s: float = 5.0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = -1) -> None:
         super().__init__(name, node, server, timeout_s, error_key, wait_for_server_s)
         self.client = _ActionClient(node, GenerateAction, f"{self.server}/generate")
         self.result_key, self.prompt, self.max_new_tokens = result_key, prompt, max_new_tokens
-        self.temperature, self.seed = float(temperature), int(seed)
+        self.temperature, self.top_k, self.top_p, self.seed = float(temperature), int(top_k), float(top_p), int(seed)
         self._key(result_key, Access.WRITE)
         self._goal = None   # the accepted goal, while its result is awaited
 
@@ -380,7 +382,7 @@ class Generate(_Call):
         if self.client.server_is_ready():
             self._send(self.client.send_goal_async(GenerateAction.Goal(
                 prompt=self.prompt, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                seed=self.seed)))
+                top_k=self.top_k, top_p=self.top_p, seed=self.seed)))
 
     def update(self) -> Status:
         if self._future is None and self._goal is None:

@@ -37,7 +37,7 @@ _REQUEST = {PREFILL: ("token_ids", "prompt"), DECODE: (), STEP: ("observation",)
             FORK: ("source_id", "name", "tier", "lease_s"), RESTORE: ("capsule_id", "verify"),
             ROLLBACK: ("steps", "to_position"), DROP: ("capsule_id", "request_id"), SPILL: ("spill",),
             PULL: ("capsule_id", "name", "tier")}
-_REQUEST_FIELDS = {"token_ids", "prompt", "temperature", "seed", "observation", "name", "tier", "requested_tier",
+_REQUEST_FIELDS = {"token_ids", "prompt", "temperature", "top_k", "top_p", "seed", "observation", "name", "tier", "requested_tier",
                    "pin", "request_id", "lease_s", "source_id", "capsule_id", "verify", "steps", "to_position", "spill"}
 _OUTCOME_FIELDS = {"error_code", "position", "token", "margin", "action", "capsule_id", "state_digest"}
 _SESSION_SCALARS = ("version", "model_path", "seed", "dtype", "max_seq_len", "obs_dim", "action_dim", "rollback_depth",
@@ -65,7 +65,8 @@ def entry_message(entry: Entry, stamp_ns: int) -> Any:
     fields = {
         "header": _header(stamp_ns), "seq": entry.seq, "kind": entry.kind,
         "token_ids": np.asarray(req.get("token_ids", []), dtype=np.int64), "prompt": req.get("prompt", ""),
-        "temperature": float(req.get("temperature", 0.0)), "has_seed": "seed" in req,
+        "temperature": float(req.get("temperature", 0.0)), "top_k": int(req.get("top_k", 0)),
+        "top_p": float(req.get("top_p", 1.0)), "has_seed": "seed" in req,
         "seed": int(req.get("seed") or 0), "observation": np.asarray(req.get("observation", []), dtype=np.float32),
         "name": req.get("name", ""), "tier": req.get("tier", ""), "requested_tier": req.get("requested_tier", ""),
         "pin": bool(req.get("pin", False)), "request_id": req.get("request_id", ""),
@@ -101,6 +102,10 @@ def entry_of(msg: Any) -> Entry:
     if msg.kind == DECODE:
         if msg.temperature > 0:
             request["temperature"] = msg.temperature
+            if msg.top_k:
+                request["top_k"] = int(msg.top_k)
+            if msg.top_p < 1:
+                request["top_p"] = float(msg.top_p)
         if msg.has_seed:
             request["seed"] = int(msg.seed)
     outcome: dict[str, Any] = {"error_code": int(msg.error_code), "position": int(msg.position)}

@@ -13,7 +13,7 @@ from typing import Any, Iterator, NamedTuple
 
 from ..action import Generate
 from ..errors import InvalidArgument, NotActive
-from ..runtime import inputs
+from ..runtime import Sampling, inputs
 from ..serving import Session
 
 
@@ -22,7 +22,7 @@ class _Asked(NamedTuple):
 
     ids: list[int]
     new_tokens: int
-    temperature: float
+    sampling: Sampling
     seed: int | None
     drafts: int
 
@@ -40,7 +40,7 @@ def run_generation(node: Any, session: Session, goal_handle: Any, result: Any) -
             raise NotActive("node left the active state before the prompt was committed")
         if goal_handle.is_cancel_requested:   # the goal ends at the loop's first check
             asked = asked._replace(ids=[], new_tokens=0)
-        stream = session.generate(asked.ids, asked.new_tokens, temperature=asked.temperature, seed=asked.seed,
+        stream = session.generate(asked.ids, asked.new_tokens, asked.sampling, seed=asked.seed,
                                   prompt=goal.prompt, speculative=asked.drafts or None)
     tokens: list[int] = []
     try:
@@ -60,7 +60,7 @@ def _checked(node: Any, engine: Any, goal: Any) -> _Asked:
     n = goal.max_new_tokens
     if n < 0:
         raise InvalidArgument(f"max_new_tokens must be >= 0, got {n}")
-    temperature = inputs.temperature(float(goal.temperature))
+    sampling = _sampling(engine, goal)
     if goal.speculative < -1:
         raise InvalidArgument(f"speculative must be -1 (the node's parameter), 0 (off) or drafts per pass, "
                               f"got {goal.speculative}")
@@ -71,7 +71,14 @@ def _checked(node: Any, engine: Any, goal: Any) -> _Asked:
     if len(ids) + n > room:
         raise InvalidArgument(f"{len(ids)} prompt + {n} new tokens exceed the {room} positions left "
                               f"(max_seq_len={engine.max_seq_len}, position={engine.position})")
-    return _Asked(ids, n, temperature, goal.seed if goal.seed >= 0 else None, drafts)
+    return _Asked(ids, n, sampling, goal.seed if goal.seed >= 0 else None, drafts)
+
+
+def _sampling(engine: Any, goal: Any) -> Sampling:
+    """The goal's sampling, or with temperature -1 the checkpoint's (``Engine.sampling_defaults``)."""
+    if goal.temperature == -1:
+        return engine.sampling_defaults
+    return inputs.sampling(float(goal.temperature), int(goal.top_k), float(goal.top_p))
 
 
 def _streamed(node: Any, engine: Any, goal_handle: Any, stream: Iterator[int], tokens: list[int],

@@ -3,6 +3,7 @@ from ..errors import CheckpointError, ErrorCode, FlashRTError, InvalidArgument
 from .arena import Region, RegionSpec, StateArena
 from .config import ModelConfig
 from .engine import Engine
+from .sampling import GREEDY, Sampling
 
-__all__ = ["CheckpointError", "Engine", "ErrorCode", "FlashRTError", "InvalidArgument", "ModelConfig",
-           "Region", "RegionSpec", "StateArena"]
+__all__ = ["CheckpointError", "Engine", "ErrorCode", "FlashRTError", "GREEDY", "InvalidArgument", "ModelConfig",
+           "Region", "RegionSpec", "Sampling", "StateArena"]

@@ -16,6 +16,7 @@ from ..errors import InvalidArgument
 from . import sampling
 from .arena import StateArena
 from .graph import Step
+from .sampling import GREEDY, Sampling
 from .inputs import is_int
 from .models.qwen35 import Qwen35
 from .speculative import Speculation
@@ -56,6 +57,7 @@ class Decoder:
 
         self._greedy = step(lambda: model.token_step(self._span()))
         self._sampled = step(lambda: model.token_step(self._span(), sampled=True))
+        self._cut = step(lambda: model.token_step(self._span(), sampled=True, cut=True))
         self.observation = self.action = self._policy = None
         if cfg.policy:
             self.observation = torch.zeros(cfg.obs_dim, device=self.device)
@@ -105,11 +107,12 @@ class Decoder:
             chunk = ids[first:first + self.prefill_chunk]
             self.model.prefill(chunk, at + first)
 
-    def token(self, at: int, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode the row at ``at``: (its token [1], the choice's margin [1]), on the device,
+    def token(self, at: int, how: Sampling = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode the row at ``at`` as ``how`` chooses (its values written with
+        ``Qwen35.use_sampling``): (its token [1], the choice's margin [1]), on the device,
         valid until the next step."""
         self._at = at
-        (self._sampled if sampled else self._greedy)()
+        (self._cut if how.truncated else self._sampled if how.sampled else self._greedy)()
         return self.model.tokens[at:at + 1], self.model.margin
 
     def logged_token(self, at: int, token: int) -> None:
@@ -130,17 +133,17 @@ class Decoder:
         """Whether the last policy step's action and hidden state are finite."""
         return bool(torch.isfinite(self.action).all() and torch.isfinite(self.model.last_hidden).all())
 
-    def speculate(self, at: int, drafts: int, sampled: bool, logits: torch.Tensor | None) -> Pass:
+    def speculate(self, at: int, drafts: int, how: Sampling, logits: torch.Tensor | None) -> Pass:
         """One pass at position ``at``: the main model's token (from ``logits`` [1, vocab], the
         ones that follow the state, or computed when None), ``drafts`` drafts of the MTP layer,
         one verify of them all, and the arena back to the state after the last accepted row."""
         model, spec = self.model, self.speculation
         if logits is None:
             logits = model.logits()
-        first, first_margin = self.choose(logits, at, sampled)
+        first, first_margin = self.choose(logits, at, how)
         draft = spec.drafter(first, at, drafts)
         rows, states = self._verify(torch.cat([first, draft]), at)
-        chosen = [self.choose(rows[i:i + 1], at + 1 + i, sampled) for i in range(drafts + 1)]
+        chosen = [self.choose(rows[i:i + 1], at + 1 + i, how) for i in range(drafts + 1)]
         agree = (draft == torch.cat([c[0] for c in chosen[:drafts]])).tolist()
         accepted = agree.index(False) if False in agree else drafts
         if accepted < drafts:
@@ -161,12 +164,13 @@ class Decoder:
         step()
         return self._verify_out[:n].clone(), self.model.verify_states[:n]   # the next pass writes the same rows
 
-    def choose(self, logits: torch.Tensor, position: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, logits: torch.Tensor, position: int, how: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
         """The token [1] and its margin [1] that decode picks from ``logits`` [1, vocab] for the
         row at ``position``: as ``Qwen35.token_step`` does, with the same RNG counter."""
         model = self.model
-        if not sampled:
+        if not how.sampled:
             return logits.argmax(-1), sampling.margin(logits[0])
         counter = torch.tensor([position], dtype=torch.int64, device=self.device)
-        scores = sampling.scores(logits, model.temperature, model.rng_seed, counter, model.vocab_index)
+        scores = sampling.scores(logits, model.temperature, model.rng_seed, counter, model.vocab_index,
+                                 model.cut if how.truncated else None)
         return scores.argmax(-1, keepdim=True), sampling.margin(scores) * model.temperature

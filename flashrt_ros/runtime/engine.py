@@ -28,6 +28,7 @@ from .history import DECODE, PREFILL, STEP
 from .live_state import LiveState
 from .models.qwen35 import Qwen35, state_specs
 from .options import EngineOptions
+from .sampling import GREEDY, Sampling
 from .speculative import Speculation, SpeculationStats
 
 
@@ -47,9 +48,11 @@ class Engine:
         self.config = cfg
         self.device = inputs.device(device)
         self.seeded_weights = tuple(seeded)
-        # Where generation stops (the tokenizer may add its own eos): from_pretrained adds
-        # generation_config.json's.
+        # Where generation stops (the tokenizer may add its own eos), and how the release
+        # samples (``generate(**engine.sampling_defaults.as_kwargs())``; greedy stays the
+        # default of generate and stream): from_pretrained reads generation_config.json's.
         self.stop_token_ids: tuple[int, ...] = cfg.eos_token_ids
+        self.sampling_defaults: Sampling = GREEDY
         self._flush_denormal = opts.flush_denormal and self.device.type == "cpu"
         self._decode_threads = opts.decode_threads if self.device.type == "cpu" else 0
         self._lock = FairRLock()
@@ -131,7 +134,7 @@ class Engine:
         loaded = loading.pretrained(path, seed, policy_dims, mtp_head)
         engine = cls(loaded.cfg, loaded.weights, device=device, dtype=dtype, max_seq_len=max_seq_len,
                      seeded=loaded.seeded, **options)
-        engine.stop_token_ids = loaded.stop_token_ids
+        engine.stop_token_ids, engine.sampling_defaults = loaded.stop_token_ids, loaded.sampling
         return engine
 
     @classmethod
@@ -236,17 +239,19 @@ class Engine:
         with self._work():
             return _caller_owned(self.model.logits()[0].float())
 
-    def generate(self, n: int, *, temperature: float = 0.0, seed: int | None = None,
-                 speculative: int | None = None) -> list[int]:
+    def generate(self, n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, speculative: int | None = None) -> list[int]:
         """Append ``n`` tokens, one committed boundary each; return them. Greedy by default;
-        see ``stream`` for ``temperature``, ``seed`` and ``speculative``."""
-        return list(self.stream(n, sync_every=0, temperature=temperature, seed=seed, speculative=speculative))
+        see ``stream`` for ``temperature``, ``top_k``, ``top_p``, ``seed`` and ``speculative``."""
+        return list(self.stream(n, sync_every=0, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                speculative=speculative))
 
-    def stream(self, n: int, sync_every: int = 1, *, temperature: float = 0.0, seed: int | None = None,
-               scored: bool = False,
+    def stream(self, n: int, sync_every: int = 1, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, scored: bool = False,
                speculative: int | None = None) -> Iterator[int] | Iterator[tuple[int, float, int]]:
-        """Yield tokens as they are committed: greedy, or drawn from softmax(logits / temperature).
-        ``scored``: yield (token, margin, position) triples, the margin being the gap between the
+        """Yield tokens as they are committed: greedy, or drawn from softmax(logits / temperature)
+        over the ``top_k`` most likely (0: all) within the nucleus of mass ``top_p`` (1: all),
+        as transformers' warpers cut (``sampling``). ``scored``: yield (token, margin, position) triples, the margin being the gap between the
         two best scores of the choice in logit units (``sampling.margin``), which a replay on
         another platform needs to tell a near-tie from a real difference, and the position the
         token's boundary left (several tokens of one pass are committed together).
@@ -268,7 +273,7 @@ class Engine:
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
         request = streaming.Request(inputs.count(n, "number of tokens"), inputs.count(sync_every, "sync_every"),
-                                    inputs.temperature(temperature), inputs.optional_seed(seed), bool(scored),
+                                    inputs.sampling(temperature, top_k, top_p), inputs.optional_seed(seed), bool(scored),
                                     self.check_speculative(speculative))
         with self._lock:
             self._live.check_room(request.n)

@@ -25,6 +25,7 @@ from .arena import StateArena
 from .decoding import Decoder, Pass
 from .history import (DECODE, PREFILL, STEP, Base, Boundary, RingSlots, between, committed, moved, renewed,
                       snapshotted, stepped_back, unknown)
+from .sampling import GREEDY, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,10 @@ class LiveState:
             self.decoder.prefill(ids, self.state.position)
             self.commit(PREFILL, ids.numel())
 
-    def token(self, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode boundary, greedy or ``sampled``: (the token [1], its margin [1]) on the device."""
+    def token(self, how: Sampling = GREEDY) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode boundary, chosen as ``how`` says: (the token [1], its margin [1]) on the device."""
         with self.committed_whole():
-            chosen = self.decoder.token(self.state.position, sampled)
+            chosen = self.decoder.token(self.state.position, how)
             self.commit(DECODE, 1)
         return chosen
 
@@ -118,12 +119,12 @@ class LiveState:
             self.commit(STEP, 1)
         return action
 
-    def speculative_pass(self, drafts: int, sampled: bool, last: Pass | None) -> Pass:
+    def speculative_pass(self, drafts: int, how: Sampling, last: Pass | None) -> Pass:
         """A pass of ``drafts`` drafts (``Decoder.speculate``), each token it keeps its own boundary.
         ``last``: the previous pass, whose logits follow its end."""
         at = self.state.position
         with self.committed_whole():   # interrupted between two commits: back to the last one made
-            done = self.decoder.speculate(at, drafts, sampled, last.follows if last and last.end == at else None)
+            done = self.decoder.speculate(at, drafts, how, last.follows if last and last.end == at else None)
             for image in done.states:
                 self.commit(DECODE, 1, image=image)
         return done

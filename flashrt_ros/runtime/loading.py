@@ -10,18 +10,21 @@ import torch
 
 from . import inputs, mtp_head as mtp_head_io, weights as weights_io
 from .config import ModelConfig
+from .sampling import GREEDY, Sampling
 
 Weights = dict[str, torch.Tensor]
 
 
 class Loaded(NamedTuple):
     """Weights for an engine: the config, the tensors by name, the names of those made from the
-    seed (absent from the source), and the tokens generation stops at."""
+    seed (absent from the source), the tokens generation stops at, and the release's sampling
+    defaults."""
 
     cfg: ModelConfig
     weights: Weights
     seeded: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
+    sampling: Sampling = GREEDY
 
 
 def seeded(cfg: ModelConfig, seed: int, mtp_head: str | Path | None = None) -> Loaded:
@@ -38,13 +41,13 @@ def seeded(cfg: ModelConfig, seed: int, mtp_head: str | Path | None = None) -> L
 def pretrained(path: str | Path, seed: int, policy_dims: tuple[int, int] | None = None,
                mtp_head: str | Path | None = None) -> Loaded:
     """The checkpoint folder at ``path`` (``weights.load_checkpoint``: what it lacks is seeded with
-    ``seed``), its stop tokens from generation_config.json too; ``mtp_head``: a head file in
+    ``seed``), its stop tokens and sampling defaults from generation_config.json; ``mtp_head``: a head file in
     place of the checkpoint's MTP layer."""
     inputs.check_seed(seed)
     cfg, weights, names = weights_io.load_checkpoint(path, seed, policy_dims)
     if mtp_head:
         weights, names = mtp_head_io.with_head(cfg, weights, names, mtp_head)
-    return Loaded(cfg, weights, tuple(names), weights_io.stop_token_ids(path, cfg))
+    return Loaded(cfg, weights, tuple(names), *weights_io.generation_settings(path, cfg))
 
 
 def model_weights(cfg: ModelConfig, weights: Weights) -> tuple[Weights, torch.Tensor | None]:

@@ -16,18 +16,19 @@ import torch
 from ..errors import Preempted
 from .decoding import Pass
 from .live_state import LiveState
+from .sampling import Sampling
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
     """A checked stream request: ``n`` tokens, read back every ``sync_every`` (0: all at the
-    end), greedy or drawn at ``temperature``, the RNG state set to ``seed`` before the first
+    end), chosen as ``sampling`` says, the RNG state set to ``seed`` before the first
     (None: left as it is), plain tokens or ``scored`` (token, margin, position) triples, and up
     to ``drafts`` drafts per speculative pass (0: plain decode)."""
 
     n: int
     sync_every: int
-    temperature: float
+    sampling: Sampling
     seed: int | None
     scored: bool
     drafts: int
@@ -66,15 +67,15 @@ def _next(live: LiveState, request: Request, done: int,
     live.check_room(1)
     if done == 0 and request.seed is not None:
         live.model.rng_seed.fill_(int(request.seed))
-    sampled = request.temperature > 0
-    if sampled:   # set per step: another caller's stream may have set its own
-        live.model.temperature.fill_(request.temperature)
+    how = request.sampling
+    if how.sampled:   # set per step: another caller's stream may have set its own
+        live.model.use_sampling(how)
     if request.drafts and live.decoder.speculation.wanted():
         k = min(request.drafts, request.n - done - 1, live.max_seq_len - live.state.position - 1)
         if k >= 1:
-            made = live.speculative_pass(k, sampled, last)
+            made = live.speculative_pass(k, how, last)
             return made.tokens, made.margins, made
-    token, margin = live.token(sampled)
+    token, margin = live.token(how)
     return token, margin, None
 
 

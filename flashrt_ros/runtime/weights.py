@@ -22,7 +22,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError, InvalidArgument
+from . import inputs
 from .config import FULL, ModelConfig
+from .sampling import GREEDY, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -344,24 +346,38 @@ def _empty_shared(cfg: ModelConfig, name: str) -> bool:
     return cfg.moe and not cfg.shared_expert_intermediate_size and ".mlp.shared_expert" in name
 
 
-def stop_token_ids(path: str | Path, cfg: ModelConfig) -> tuple[int, ...]:
-    """The config's eos ids and ``generation_config.json``'s: a chat release ends its turns with
-    a token (Qwen3.5's <|im_end|>) that config.json does not name; without it, generation ran
-    on past the answer and made up the next turns. Kept out of the config: they change no
-    state, so they must not change the model fingerprint (and with it every capsule's)."""
+def generation_settings(path: str | Path, cfg: ModelConfig) -> tuple[tuple[int, ...], Sampling]:
+    """From ``generation_config.json`` (absent: the config's eos ids, greedy): the stop ids (the
+    config's eos ids and the file's: a chat release ends its turns with a token, Qwen3.5's
+    <|im_end|>, that config.json does not name; without it, generation ran on past the answer
+    and made up the next turns) and the release's sampling defaults (greedy unless it says
+    ``do_sample``; transformers' defaults for what it leaves out: temperature 1, top_k 50,
+    top_p 1). Kept out of the config: they change no state, so they must not change the model
+    fingerprint (and with it every capsule's)."""
     file = Path(path) / "generation_config.json"
     if not file.is_file():
-        return cfg.eos_token_ids
+        return cfg.eos_token_ids, GREEDY
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: unreadable ({exc})") from None
-    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    eos = raw.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size for i in ids):
         raise CheckpointError(f"{file}: eos_token_id must be a token id below vocab_size={cfg.vocab_size} or a "
                               f"list of them, got {eos!r}")
-    return tuple(dict.fromkeys(cfg.eos_token_ids + tuple(ids)))
+    stops = tuple(dict.fromkeys(cfg.eos_token_ids + tuple(ids)))
+    if raw.get("do_sample") is not True:
+        return stops, GREEDY
+    try:
+        how = inputs.sampling(raw.get("temperature", 1.0), raw.get("top_k", 50), raw.get("top_p", 1.0))
+    except InvalidArgument as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
+    if not how.sampled:
+        raise CheckpointError(f"{file}: do_sample with temperature 0; a greedy release says do_sample false")
+    return stops, how
 
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from ..capsule import CapsuleInfo
 from ..errors import InvalidArgument
+from ..runtime import GREEDY, Sampling, inputs
 from . import leases as lease_rules
 from .journal import DECODE, DROP, FORK, PREFILL, PULL, RESTORE, ROLLBACK, SNAPSHOT, SPILL, STEP, action_bytes
 from .leases import Leases
@@ -50,17 +51,28 @@ class Prefill(Operation):
 
 @dataclass(frozen=True)
 class Decode(Operation):
-    """One token, greedy unless drawn at ``temperature`` (``seed`` set first, when given)."""
+    """One token, chosen as ``sampling`` says (``seed`` set first, when given)."""
 
     KIND: ClassVar[str] = DECODE
-    temperature: float = 0.0
+    sampling: Sampling = GREEDY
     seed: int | None = None
 
     def journaled(self) -> dict[str, Any]:
-        how: dict[str, Any] = {"temperature": self.temperature} if self.temperature > 0 else {}
+        how: dict[str, Any] = {}
+        if self.sampling.sampled:   # a greedy choice ignores the cut
+            how["temperature"] = self.sampling.temperature
+            if self.sampling.top_k:
+                how["top_k"] = self.sampling.top_k
+            if self.sampling.top_p < 1:
+                how["top_p"] = self.sampling.top_p
         if self.seed is not None:
             how["seed"] = self.seed
         return how
+
+    @classmethod
+    def of(cls, request: Mapping[str, Any]) -> "Decode":
+        how = inputs.sampling(request.get("temperature", 0.0), request.get("top_k", 0), request.get("top_p", 1.0))
+        return cls(how, request.get("seed"))
 
 
 @dataclass(frozen=True)
@@ -223,7 +235,7 @@ class Rules:
             engine.prefill(op.token_ids)
             return Applied(None, {})
         if isinstance(op, Decode):
-            token = engine.generate(1, temperature=op.temperature, seed=op.seed)[0]
+            token = engine.generate(1, **op.sampling.as_kwargs(), seed=op.seed)[0]
             return Applied(token, {"token": token})
         if isinstance(op, Step):
             action = engine.step(op.observation)

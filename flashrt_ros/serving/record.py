@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 1
+# The journal bag's format: raised whenever JournalEntry or JournalSession changes its fields,
+# so that a bag of another format is refused by name, not misread.
+VERSION = 2
 
 
 @dataclass(frozen=True)

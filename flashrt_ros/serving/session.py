@@ -15,7 +15,7 @@ import torch
 
 from ..capsule import CapsuleInfo
 from ..errors import ErrorCode, InvalidArgument
-from ..runtime import Engine
+from ..runtime import GREEDY, Engine, Sampling
 from .journal import DECODE, PREFILL, STEP, Journal, action_bytes
 from .operations import (CAPSULE_KINDS, Applied, Decode, Drop, Fork, Operation, Prefill, Pull, Restore, Rollback,
                          Rules, Snapshot, Spill, Step)
@@ -134,7 +134,7 @@ class Session:
             self._version += 1
             return action
 
-    def generate(self, ids: Sequence[int], n: int, temperature: float = 0.0, seed: int | None = None,
+    def generate(self, ids: Sequence[int], n: int, sampling: Sampling = GREEDY, seed: int | None = None,
                  prompt: str = "", speculative: int | None = None) -> Iterator[int]:
         """Commit the prompt ``ids`` now, then return the next ``n`` tokens as an iterator that
         commits one per step (or several per speculative pass, ``Engine.stream``). The iterator
@@ -147,11 +147,11 @@ class Session:
                 engine.prefill(ids)
                 self._record(PREFILL, Prefill(ids, prompt).journaled(), None, {})
                 self._version += 1
-            stream = engine.stream(n, sync_every=1, temperature=temperature, seed=seed, scored=True,
+            stream = engine.stream(n, sync_every=1, **sampling.as_kwargs(), seed=seed, scored=True,
                                    speculative=speculative)
-        return self._tokens(stream, temperature, seed)
+        return self._tokens(stream, sampling, seed)
 
-    def _tokens(self, stream: Iterator[tuple[int, float, int]], temperature: float,
+    def _tokens(self, stream: Iterator[tuple[int, float, int]], sampling: Sampling,
                 seed: int | None) -> Iterator[int]:
         first = True
         while True:
@@ -162,7 +162,7 @@ class Session:
                 token, margin, position = scored
                 # How it was drawn. Not whether speculatively: such a token replays as a plain
                 # decode step, which commits the same bytes on the CPU backend (``Engine.stream``).
-                how = Decode(temperature, seed if first else None).journaled()
+                how = Decode(sampling, seed if first else None).journaled()
                 self._record(DECODE, how, None, {"token": token, "margin": margin}, position=position)
                 self._version += 1
             first = False

@@ -204,6 +204,8 @@ class Qwen35:
         # whatever the engine writes here before replaying it.
         # float64, as the scores are: a float32 would flush a temperature under 1e-38 to 0.
         self.temperature = torch.ones(1, dtype=torch.float64, device=device)
+        # The cut a truncated draw makes (sampling.threshold): top-k (0: none), top-p (1: none).
+        self.cut = (torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.float64, device=device))
         # Not state either: the last decode step's margin (sampling.margin) in logit units,
         # an output at a fixed address like the policy's action.
         self.margin = torch.zeros(1, dtype=torch.float64, device=device)
@@ -443,13 +445,21 @@ class Qwen35:
         return self.advance(F.embedding(ids, self.embed), positions, Span.prefill(start, ids.shape[0], self.device),
                             decode=False)
 
-    def token_step(self, span: Span, sampled: bool = False) -> None:
-        """Decode of one token, greedy or drawn at ``self.temperature`` with the arena's RNG
-        state, reading and writing only arena state (graph-capturable); the choice's margin
-        goes to ``self.margin``, in logit units (a sampled score's gap times the temperature)."""
+    def use_sampling(self, how: sampling.Sampling) -> None:
+        """Write ``how``'s values where the sampled steps (and their graphs) read them."""
+        self.temperature.fill_(how.temperature)
+        self.cut[0].fill_(how.top_k)
+        self.cut[1].fill_(how.top_p)
+
+    def token_step(self, span: Span, sampled: bool = False, cut: bool = False) -> None:
+        """Decode of one token, greedy or drawn at ``self.temperature`` (within ``self.cut``
+        when ``cut``) with the arena's RNG state, reading and writing only arena state
+        (graph-capturable); the choice's margin goes to ``self.margin``, in logit units (a
+        sampled score's gap times the temperature)."""
         logits = self.logits()
         if sampled:
-            scores = sampling.scores(logits, self.temperature, self.rng_seed, self.position, self.vocab_index)
+            scores = sampling.scores(logits, self.temperature, self.rng_seed, self.position, self.vocab_index,
+                                     self.cut if cut else None)
             token = scores.argmax(-1, keepdim=True)
             self.margin.copy_(sampling.margin(scores) * self.temperature)
         else:
