@@ -78,6 +78,9 @@ def _sampling(engine: Any, goal: Any) -> Sampling:
     """The goal's sampling, or with temperature -1 the checkpoint's (``Engine.sampling_defaults``)."""
     if goal.temperature == -1:
         return engine.sampling_defaults
+    if goal.temperature < 0:
+        raise InvalidArgument(f"temperature must be >= 0 (0: greedy), or -1 for the checkpoint's sampling; "
+                              f"got {goal.temperature}")
     return inputs.sampling(float(goal.temperature), int(goal.top_k), float(goal.top_p))
 
 
