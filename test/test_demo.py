@@ -19,6 +19,7 @@ def test_demo_runs_every_step_and_writes_its_pictures(tmp_path):
     env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)  # the demo sets LOCALHOST for both of its processes
     run = subprocess.run([sys.executable, "-m", "flashrt_ros.demo", "--out", str(tmp_path)], capture_output=True,
                          text=True, timeout=1200, env=env)
+    (tmp_path / "demo.log").write_text(run.stdout + run.stderr)   # beside its pictures: what it printed
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "demo OK" in run.stdout and "FAILED" not in run.stdout
     assert "faster" in run.stdout and "tokens/s" in run.stdout
