@@ -86,7 +86,7 @@ def length_batches(data: Sequences, batch: int, rng: np.random.Generator) -> lis
     return [order[i:i + batch] for i in range(0, len(order), batch)]
 
 
-def train(seed: int = 0, iterations: int = 1950, rounds: int = 3, batch: int = 24, lr: float = 2e-3,
+def train(seed: int = 0, iterations: int = 2800, rounds: int = 3, batch: int = 24, lr: float = 2e-3,
           log_every: int = 100) -> tuple[torch.nn.ModuleDict, list[tuple[int, float]], dict[str, float]]:
     """The trained model (taking raw observations), (iteration, loss) at every ``log_every``, and
     seconds per phase: ``iterations`` on the expert's demonstrations, then ``rounds`` of DAgger,
@@ -143,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"checkpoint folder (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--iterations", type=int, default=1950, help="iterations per round (default 1950)")
+    parser.add_argument("--iterations", type=int, default=2800, help="iterations per round (default 2800)")
     parser.add_argument("--rounds", type=int, default=3, help="DAgger rounds after the first (default 3)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: the checkpoint then does not depend on the machine's cores)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (default 2, whatever the machine's cores: the checkpoint depends on "
+                             "the thread count, which splits the sums)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be at least 1")
