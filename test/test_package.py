@@ -206,7 +206,7 @@ def test_generate_action_has_the_designed_goal_result_and_feedback() -> None:
     assert gen.Goal.get_fields_and_field_types() == {
         "prompt": "string", "token_ids": "sequence<int32>", "messages": "sequence<flashrt_ros/ChatMessage>",
         "max_new_tokens": "int32",
-        "temperature": "float", "seed": "int64", "speculative": "int32",
+        "temperature": "float", "top_k": "int32", "top_p": "float", "seed": "int64", "speculative": "int32",
     }
     assert gen.Result.get_fields_and_field_types() == {
         **OUTCOME, "tokens": "sequence<int32>", "text": "string", "ttft_ms": "double",
