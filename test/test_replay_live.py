@@ -19,14 +19,23 @@ REPLAY = EXECUTABLES / "flashrt-replay"
 pytestmark = pytest.mark.skipif(not NODE_EXECUTABLE.exists(), reason="needs the colcon install space (make test builds it)")
 
 
+_THREADS: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
-    return recorded_session(tmp_path_factory.mktemp("live") / "robot")
+    from flashrt_ros.replay.recording import find_session
+
+    path = recorded_session(tmp_path_factory.mktemp("live") / "robot")
+    # The recording node ran inside this test process, at whatever torch thread count the tests
+    # before it left; the live node is started at that count, as the exact verdict requires.
+    _THREADS["OMP_NUM_THREADS"] = str(find_session(path).torch_threads)
+    return path
 
 
 def _env() -> dict[str, str]:
     # Both processes: discovery on this host only, in this run's private domain.
-    return {**same_kernels_env(), "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
+    return {**same_kernels_env(), **_THREADS, "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
 
 
 @contextmanager
