@@ -98,15 +98,23 @@ def held_out_files(min_bytes: int) -> list[Path]:
 
 def contexts(n: int, sizes: Sizes) -> list[Context]:
     """``n`` contexts from files evenly spaced over ``held_out_files``; each side request comes
-    from the file halfway to the next pick, so no side request is another context's text."""
+    from the first file from halfway to the next pick on whose opening no context opens (files
+    that start with one licence header are common, and which ones differs between Python
+    builds), so no side request is another context's text."""
     files = held_out_files(sizes.context)
     if len(files) < 2 * n:
         raise ValueError(f"{n} contexts need {2 * n} standard-library files of {sizes.context} bytes, "
                          f"found {len(files)}")
     root = Path(sysconfig.get_paths()["stdlib"])
+    owns = [files[i * len(files) // n] for i in range(n)]
+    openings = {own.read_bytes()[:sizes.side - 2] for own in owns}
     out = []
-    for i in range(n):
-        own, other = files[i * len(files) // n], files[(2 * i + 1) * len(files) // (2 * n)]
+    for i, own in enumerate(owns):
+        start = (2 * i + 1) * len(files) // (2 * n)
+        other = next((f for f in files[start:] + files[:start]
+                      if f not in owns and f.read_bytes()[:sizes.side - 2] not in openings), None)
+        if other is None:
+            raise ValueError("no standard-library file opens unlike every context: no side request to take")
         out.append(Context(own.relative_to(root).as_posix(), [BOS, *own.read_bytes()[:sizes.context - 1]],
                            [EOS, BOS, *other.read_bytes()[:sizes.side - 2]]))
     return out
