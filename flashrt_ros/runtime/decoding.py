@@ -16,9 +16,9 @@ from ..errors import InvalidArgument
 from . import sampling
 from .arena import StateArena
 from .graph import Step
-from .sampling import GREEDY, Sampling
 from .inputs import is_int
 from .models.qwen35 import Qwen35
+from .sampling import GREEDY, Sampling
 from .speculative import Speculation
 
 
