@@ -37,8 +37,9 @@ _REQUEST = {PREFILL: ("token_ids", "prompt"), DECODE: (), STEP: ("observation",)
             FORK: ("source_id", "name", "tier", "lease_s"), RESTORE: ("capsule_id", "verify"),
             ROLLBACK: ("steps", "to_position"), DROP: ("capsule_id", "request_id"), SPILL: ("spill",),
             PULL: ("capsule_id", "name", "tier")}
-_REQUEST_FIELDS = {"token_ids", "prompt", "temperature", "top_k", "top_p", "seed", "observation", "name", "tier", "requested_tier",
-                   "pin", "request_id", "lease_s", "source_id", "capsule_id", "verify", "steps", "to_position", "spill"}
+_REQUEST_FIELDS = {"token_ids", "prompt", "temperature", "top_k", "top_p", "seed", "observation", "name", "tier",
+                   "requested_tier", "pin", "request_id", "lease_s", "source_id", "capsule_id", "verify", "steps",
+                   "to_position", "spill"}
 _OUTCOME_FIELDS = {"error_code", "position", "token", "margin", "action", "capsule_id", "state_digest"}
 _SESSION_SCALARS = ("version", "model_path", "seed", "dtype", "max_seq_len", "obs_dim", "action_dim", "rollback_depth",
                     "spill", "disk_tier", "model_fingerprint", "layout_fingerprint", "device", "torch",

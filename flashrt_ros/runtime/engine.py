@@ -251,10 +251,11 @@ class Engine:
                speculative: int | None = None) -> Iterator[int] | Iterator[tuple[int, float, int]]:
         """Yield tokens as they are committed: greedy, or drawn from softmax(logits / temperature)
         over the ``top_k`` most likely (0: all) within the nucleus of mass ``top_p`` (1: all),
-        as transformers' warpers cut (``sampling``). ``scored``: yield (token, margin, position) triples, the margin being the gap between the
-        two best scores of the choice in logit units (``sampling.margin``), which a replay on
-        another platform needs to tell a near-tie from a real difference, and the position the
-        token's boundary left (several tokens of one pass are committed together).
+        as transformers' warpers cut (``sampling``). ``scored``: yield (token, margin, position)
+        triples, the margin being the gap between the two best scores of the choice in logit
+        units (``sampling.margin``), which a replay on another platform needs to tell a near-tie
+        from a real difference, and the position the token's boundary left (several tokens of
+        one pass are committed together).
 
         The lock is taken per token (per pass when speculative), so other callers (a
         snapshot) wait at most one decode step or pass. ``sync_every``: read tokens back
@@ -273,8 +274,8 @@ class Engine:
         # Checked here, not in the generator: a bad call must fail when made, before any
         # token is committed, not at the first next().
         request = streaming.Request(inputs.count(n, "number of tokens"), inputs.count(sync_every, "sync_every"),
-                                    inputs.sampling(temperature, top_k, top_p), inputs.optional_seed(seed), bool(scored),
-                                    self.check_speculative(speculative))
+                                    inputs.sampling(temperature, top_k, top_p), inputs.optional_seed(seed),
+                                    bool(scored), self.check_speculative(speculative))
         with self._lock:
             self._live.check_room(request.n)
             lineage = self._live.state.lineage
