@@ -63,8 +63,8 @@ def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
         buffer = memoryview(bytearray(16 << 20))
 
         def read() -> float:
-            # Into one buffer, as `cat` reads: a fresh 64 MiB object per read() would time the
-            # allocator's page faults (10x the copy from the page cache), not the reading.
+            # Into one buffer, as `cat` reads: a fresh object per read() would time the
+            # allocator's page faults on it, not the reading.
             start = time.perf_counter()
             for f in files:
                 with open(f, "rb", buffering=0) as stream:
