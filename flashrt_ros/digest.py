@@ -24,10 +24,10 @@ class _Region(Protocol):
     def live_bytes(self, position: int) -> int: ...
 
 
-def _hash(spans: Iterable[tuple[int, int]], read: Callable[[int, int], object]) -> str:
+def _hash(spans: Iterable[tuple[int, int]], read: Callable[[int, int], object], every_core: bool) -> str:
     """``read(start, end)`` returns the bytes at arena offsets [start, end): one buffer, or a
     list of buffers in order (hashed one after another, which is hashing them joined)."""
-    h = blake3()
+    h = blake3(max_threads=blake3.AUTO if every_core else 1)
     for start, end in spans:
         if end > start:
             data = read(start, end)
@@ -36,10 +36,15 @@ def _hash(spans: Iterable[tuple[int, int]], read: Callable[[int, int], object]) 
     return h.hexdigest()
 
 
-def state_digest(ranges: Iterable[tuple[int, int]], read: Callable[[int, int], object]) -> str:
-    """The digest of the state whose capsule stores arena ``ranges`` (``Layout.ranges(position)``)."""
-    return _hash(ranges, read)
+def state_digest(ranges: Iterable[tuple[int, int]], read: Callable[[int, int], object], *,
+                 every_core: bool = False) -> str:
+    """The digest of the state whose capsule stores arena ``ranges`` (``Layout.ranges(position)``).
+    ``every_core``: hash on every core, for a caller that waits for it (one core by default: the
+    digest worker hashes beside a decode that has the other cores)."""
+    return _hash(ranges, read, every_core)
 
 
-def history_digest(regions: Iterable[_Region], position: int, read: Callable[[int, int], object]) -> str:
-    return _hash(((r.offset, r.offset + r.live_bytes(position)) for r in regions if r.name in HISTORY_REGIONS), read)
+def history_digest(regions: Iterable[_Region], position: int, read: Callable[[int, int], object], *,
+                   every_core: bool = False) -> str:
+    spans = ((r.offset, r.offset + r.live_bytes(position)) for r in regions if r.name in HISTORY_REGIONS)
+    return _hash(spans, read, every_core)

@@ -1,8 +1,10 @@
 """Back large CPU buffers with transparent huge pages (Linux ``madvise``).
 
 A decode step streams every weight once; with 4 KiB pages that costs a TLB
-miss every 4 KiB. Huge pages made bench decode ~15% faster here. The advice
-only helps pages not yet touched, so callers allocate, advise, then fill.
+miss every 4 KiB, against one every 2 MiB. The advice only helps pages not yet
+touched, so callers allocate, advise, then fill. For buffers made once, not on
+a request's path: with the kernel's default defrag setting a huge page's first
+fault may stall while the kernel compacts memory.
 """
 from __future__ import annotations
 

@@ -252,6 +252,35 @@ def test_shared_prefix_bytes_stay_until_the_last_capsule_using_them_is_dropped(t
     assert tiny_engine.capsules.used_bytes("device") == 0
 
 
+def _exported_bytes(engine, capsule_id: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The capsule's data as ``export`` gives it, as the store's pieces hold it, and whether
+    the first is a view of the capsule's own memory."""
+    store = engine.capsules
+    _, _, data = store.export(capsule_id)
+    held = store.resolve(capsule_id)
+    pieces = [p.view() for s, e in store.layout.ranges(held.info.position) for p in held.pieces_in(s, e)]
+    return data, torch.cat(pieces), data.data_ptr() == pieces[0].data_ptr()
+
+
+def test_export_views_a_host_capsule_in_one_chunk_and_copies_pool_and_shared_bytes(tiny_engine):
+    tiny_engine.prefill(list(range(60)))
+    root = tiny_engine.snapshot("root", tier="host")
+    data, held, viewed = _exported_bytes(tiny_engine, root.id)
+    assert torch.equal(data, held) and viewed   # the capsule's own bytes
+    tiny_engine.capsules.drop(root)
+    assert torch.equal(data, held)   # immutable, and alive while the view is
+    pooled = tiny_engine.snapshot("pooled", tier="device")
+    data, held, viewed = _exported_bytes(tiny_engine, pooled.id)
+    assert torch.equal(data, held) and not viewed   # the pool hands its bytes out again
+    base = tiny_engine.snapshot("base", tier="host")
+    tiny_engine.generate(4)
+    child = tiny_engine.snapshot("child", tier="host")
+    assert len({id(p.chunk) for p in tiny_engine.capsules.resolve(child.id).pieces}) > 1   # rows shared with base
+    data, held, viewed = _exported_bytes(tiny_engine, child.id)
+    assert torch.equal(data, held) and not viewed
+    assert tiny_engine.capsules.get(base.id).digest   # the base untouched
+
+
 def _digest_without_waiting(engine, capsule_id: str, timeout: float = 10.0) -> str:
     """The digest as the background thread leaves it, polled without ever asking for it."""
     import time

@@ -1,7 +1,7 @@
 """The fleet tier against the same server's raw pipelined SET and GET of the same bytes, side by
 side in one run, on ``ModelConfig.bench()``.
 
-    python -m flashrt_ros.bench.fleet [--prefixes 2048,8192,16384] [--rounds 5] [--url redis://host:6379/0]
+    python -m flashrt_ros.bench.fleet [--prefixes 2048,8192,16384] [--rounds 11] [--url redis://host:6379/0]
 
 1. publish of a P-token capsule, every chunk new (the server is emptied first): export from the
    store, the digest check, the cut, chunk hashing, touch, pipelined SET NX, the manifest
@@ -270,7 +270,7 @@ def main() -> None:
     def arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--url", help="a server to measure (default: start a valkey-server on loopback)")
         parser.add_argument("--prefixes", type=_prefix_list, default=(2048, 8192, 16384))
-        parser.add_argument("--rounds", type=positive_int, default=5)
+        parser.add_argument("--rounds", type=positive_int, default=11)
 
     torch.set_grad_enabled(False)
     bench_main(__doc__, arguments, lambda args: run(args.url, args.prefixes, args.rounds), device=False)

@@ -11,16 +11,18 @@ What is on the server, and why it is safe while other nodes publish, pull and co
 ``fleet_config.FleetKeys`` (the keys), ``fleet_chunks`` (the cut), ``fleet_manifest`` (the
 signed manifest), ``fleet_scripts`` (the atomic steps and their invariants); docs/fleet.md.
 
-Publish: the capsule's bytes are copied out of the store (``CapsuleStore.export``) and checked
-against its digest; its chunks are touched (marked in use now), the missing ones sent with SET
+Publish: the capsule's bytes are read out of the store (``CapsuleStore.export``: a view of
+its immutable host bytes, or a copy) and cut into chunks named by their digests (not checked
+against the capsule digest here: every reader checks them); its chunks are touched (marked in use now), the missing ones sent with SET
 NX in pipelined batches, and the manifest written last by a script that writes it only if
 every chunk is there and freshly touched. A publish that dies half-way leaves chunks no
 manifest names, which expire or are collected; never a manifest without its chunks.
 
 Pull: the manifest is read and checked (signature, fingerprints, every header field, the
 cut), the chunks fetched in pipelined batches into memory this process allocates, each
-checked against its digest, then the whole against the capsule digest and history hash; only
-then does the store take the bytes (``CapsuleStore.adopt``). Anything missing or altered is
+checked against its length, then the whole against the capsule digest and history hash (a
+chunk altered fails the capsule digest, and is then found and named); only then does the
+store take the bytes (``CapsuleStore.adopt``). Anything missing or altered is
 refused whole.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from ..digest import history_digest, state_digest
 from ..errors import shown
+from ..hugepages import empty_huge
 from . import fleet_manifest, signing
 from .disk_capsules import range_reader
 from .errors import (BudgetExceeded, CapsuleError, CapsuleIOError, CorruptCapsule, FleetUnavailable,
@@ -349,8 +352,8 @@ class FleetTier:
     def fetch(self, store: CapsuleStore, capsule_id: str, tier: str = "host", *,
               deadline_s: float | None = None) -> Fetched:
         """Fleet capsule ``capsule_id``'s manifest checked against ``store``'s model and layout,
-        its chunks fetched into memory this process allocates and verified, chunk by chunk and
-        whole (its digest and history hash): what ``adopt`` adds. The store is only asked
+        its chunks fetched into memory this process allocates and verified whole (its digest
+        and history hash): what ``adopt`` adds. The store is only asked
         whether ``tier`` has room; nothing is added to it."""
         check_tier(tier)
         deadline = _Deadline("pull", deadline_s)
@@ -363,14 +366,17 @@ class FleetTier:
                                              capsule_id)
             info = manifest.info
             store.check_room(tier, info.nbytes)
-            data = torch.empty(info.nbytes, dtype=torch.uint8)   # this process's memory, not the client's buffers
+            # This process's memory, not the client's buffers; on huge pages, as the arena is:
+            # a restore streams from it, and a fresh buffer faults in every page on the first write.
+            data = torch.empty(info.nbytes, dtype=torch.uint8)
             received = self._fetch(manifest, data.numpy(), deadline)
             ranges = store.layout.ranges(info.position)
             read = range_reader(ranges, data)
-            if state_digest(ranges, read) != info.digest:
-                raise CorruptCapsule(f"fleet capsule {capsule_id}: its chunks verify, but the capsule they make does "
-                                     "not match its digest")
-            if history_digest(store.layout.regions, info.position, read) != info.history_hash:
+            # One hash of the whole checks every chunk: the signed manifest carries the digest.
+            # Only a capsule refused is hashed chunk by chunk, to name what is wrong.
+            if state_digest(ranges, read, every_core=True) != info.digest:
+                raise CorruptCapsule(f"fleet capsule {capsule_id}: {_first_altered(manifest, data.numpy())}")
+            if history_digest(store.layout.regions, info.position, read, every_core=True) != info.history_hash:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: does not match its history hash")
         except CapsuleError:
             self._count(failures=1)
@@ -389,7 +395,8 @@ class FleetTier:
         return pulled
 
     def _fetch(self, manifest: fleet_manifest.Manifest, out: Any, deadline: _Deadline) -> int:
-        """Every chunk of the manifest into ``out``, checked against its name: bytes received."""
+        """Every chunk of the manifest into ``out``, checked against its length (``fetch`` checks
+        the bytes, all at once): bytes received."""
         where: dict[str, list[list[Span]]] = {}
         for d, spans in zip(manifest.digests, manifest.spans):
             where.setdefault(d, []).append(spans)
@@ -409,7 +416,7 @@ class FleetTier:
                     raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone from the "
                                             "server (evicted or collected); publish the capsule again")
                 expected = length(where[d][0])
-                if len(value) != expected or digest(value) != d:
+                if len(value) != expected:
                     raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match its "
                                          f"digest ({len(value)} bytes, {expected} expected)")
                 for spans in where[d]:
@@ -562,6 +569,15 @@ class FleetTier:
         if isinstance(exc, redis.exceptions.OutOfMemoryError) or "maxmemory" in text:
             return BudgetExceeded(f"{where}: the server is out of memory (maxmemory) and refused the write ({text})")
         return CapsuleIOError(f"{where}: the server answered an error ({text})")
+
+
+def _first_altered(manifest: fleet_manifest.Manifest, data: Any) -> str:
+    """Why a capsule whose chunks are in place as ``data`` fails its digest: the first chunk
+    that does not match its name, or none (then the publisher's own bytes were damaged)."""
+    for index, (d, spans) in enumerate(zip(manifest.digests, manifest.spans)):
+        if digest(chunk_bytes(data, spans)) != d:
+            return f"chunk {index} ({d[:16]}) does not match its digest"
+    return "its chunks verify, but the capsule they make does not match its digest"
 
 
 def _lease_ms(ttl_s: float | None) -> str:

@@ -355,15 +355,19 @@ class CapsuleStore:
     # ---- capsules that come from or go to another place (the fleet tier) ------------------------
     def export(self, ref: str | CapsuleInfo) -> tuple[CapsuleInfo, tuple, torch.Tensor]:
         """The capsule's info (its digest final), its boundary log, and its data
-        (``layout.ranges(position)`` end to end) copied into host memory the caller owns.
-        Copied under the lock, so a drop meanwhile cannot free the bytes; the caller sends
-        them wherever it likes without holding anything of the store's."""
+        (``layout.ranges(position)`` end to end) in host memory, for the caller to read only.
+        A view of the capsule's own bytes where they lie end to end in one host chunk (immutable,
+        and kept alive by the view after a drop or a spill), else a copy made under the lock,
+        so a drop meanwhile cannot free or reuse the bytes; either way the caller sends them
+        wherever it likes without holding anything of the store's."""
         with self._lock:
             record = self.resolve(ref)
             self._finish(record)
             position = record.info.position
             if record.info.tier == "disk":
                 data = self._folder.reread(record).data   # read, verified, and the caller's own
+            elif (whole := self._host_view(record)) is not None:
+                data = whole
             else:
                 data = torch.empty(self.layout.ranges_bytes(position), dtype=torch.uint8)
                 out, done = data.numpy(), 0
@@ -373,6 +377,24 @@ class CapsuleStore:
                         done += part.size
             record.last_used = time.monotonic()
             return record.info, record.log, data
+
+    def _host_view(self, record: Record) -> torch.Tensor | None:
+        """The record's data as one view, if its pieces are its ranges laid end to end in one
+        host chunk; None otherwise (pieces shared with another capsule, a device pool chunk
+        that a release lets the pool hand out again)."""
+        pieces = record.pieces
+        if not pieces or pieces[0].chunk.tier != "host" or pieces[0].chunk.data.device.type != "cpu":
+            return None
+        chunk, base, done = pieces[0].chunk, pieces[0].offset, 0
+        ranges = self.layout.ranges(record.info.position)
+        if len(pieces) != len(ranges):
+            return None
+        for piece, (s, e) in zip(pieces, ranges):
+            if piece.chunk is not chunk or (piece.start, piece.end, piece.offset) != (s, e, base + done):
+                return None
+            done += e - s
+        chunk.wait()
+        return chunk.data[base:base + done]
 
     def check_room(self, tier: str, nbytes: int) -> None:
         """BudgetExceeded now if ``tier`` cannot take ``nbytes`` more even after spilling (nothing
