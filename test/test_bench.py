@@ -121,6 +121,17 @@ def test_the_released_shape_benchmark_runs_end_to_end_on_a_small_shape():
     assert result["parity"]["tokens_identical"] == result["parity"]["tokens"]
     assert result["load"]["dtype"] == "torch.float32"   # a bf16 folder computes in fp32 on a CPU
     assert result["load"]["file_bytes"] > 0 and result["peak_rss_gib"] > 0
+    assert result["load"]["cold_read_s"] > 0 and result["load"]["cold_load_s"] > 0   # from the disk, on Linux
     assert result["ttft"][0]["prefix"] == 64 and result["sizes"]["per_token"]
     assert all(result["draws"][f"{way}_ms"] > 0 for way in ("greedy", "sampled", "cut"))
+    assert all(_finite(c) for c in result["checks"])
+
+
+def test_the_released_shape_benchmark_runs_the_sections_asked_for_alone():
+    from flashrt_ros.bench import released
+    from flashrt_ros.runtime import ModelConfig
+
+    result = released.run("tiny shape", prompt=16, tokens=2, rounds=1, ttft=(64,),
+                          cfg=ModelConfig.tiny(vocab_size=32768), sections=(4,))
+    assert not {"load", "parity", "runtime"} & set(result) and result["ttft"][0]["prefix"] == 64
     assert all(_finite(c) for c in result["checks"])

@@ -2,13 +2,14 @@
 side in one run.
 
     python -m flashrt_ros.bench.released [--model Qwen3.5-0.8B] [--prompt 512] [--tokens 16]
-                                         [--rounds 3] [--ttft 2048]
+                                         [--rounds 3] [--ttft 2048] [--sections 1,2,3,4]
 
 The shape is ``runtime.released.RELEASED[model]`` (its published config.json); the weights are
 seeded, so nothing is downloaded. In order, each step freeing what it made:
 1. load: ``Engine.from_pretrained`` of a bf16 checkpoint folder (a CPU computes in fp32, a GPU
-   keeps bf16) / reading its files once, both from the page cache, interleaved (target <= 2);
-   the peak resident memory once it is loaded;
+   keeps bf16) / reading its files once, interleaved, both from the disk (the files' pages
+   dropped from the page cache before each: the speed of the disk, target <= 2) and both from
+   the page cache (what the load costs beyond reading); the peak resident memory once loaded;
 2. parity with transformers (fp32, same weights): the largest difference of the prompt's last
    logits, and greedy tokens compared one by one;
 3. prefill and decode tokens/s against transformers, and decode against the weight-bandwidth
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import resource
 import tempfile
 import time
@@ -51,18 +53,39 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def evict(files: list[Path]) -> bool:
+    """Drop the files' pages from the page cache (``POSIX_FADV_DONTNEED``, which needs no root
+    and drops clean pages only: the files were synced when written), so that the next read
+    comes from the disk. False where the call is missing."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
 def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
-    """Loading a bf16 checkpoint folder against reading its files once."""
-    with tempfile.TemporaryDirectory() as folder:
+    """Loading a bf16 checkpoint folder against reading its files once, from the disk and from
+    the page cache."""
+    with tempfile.TemporaryDirectory() as folder:   # TMPDIR: on a disk (on tmpfs "from the disk" reads memory)
         weights = {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()}
         save_checkpoint(folder, cfg, weights)
         del weights
         files = sorted(Path(folder).iterdir())
+        for f in files:
+            with open(f, "rb") as stream:
+                os.fsync(stream.fileno())
         nbytes = sum(f.stat().st_size for f in files)
 
         buffer = memoryview(bytearray(16 << 20))
 
-        def read() -> float:
+        def read(cold: bool) -> float:
+            if cold:
+                evict(files)
             # Into one buffer, as `cat` reads: a fresh object per read() would time the
             # allocator's page faults on it, not the reading.
             start = time.perf_counter()
@@ -72,21 +95,30 @@ def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
                         pass
             return time.perf_counter() - start
 
-        def load() -> float:
+        def load(cold: bool) -> float:
+            if cold:
+                evict(files)
             start = time.perf_counter()
             Engine.from_pretrained(folder, max_seq_len=64).close()
             return time.perf_counter() - start
 
-        read()   # into the page cache: both sides read memory, not the disk of the moment
+        read(False)
         engine = Engine.from_pretrained(folder, max_seq_len=64)
         dtype, peak = engine.dtype, peak_rss_gib()
         engine.close()
-        t = interleaved({"read": read, "load": load}, rounds)
-    print(f"  load: {nbytes / 2**30:.2f} GiB bf16 folder read in {t['read']:.3f} s, loaded in {t['load']:.2f} s "
-          f"({t['load'] / t['read']:.2f}x), computing in {str(dtype).removeprefix('torch.')}; "
+        fns: dict[str, Callable[[], float]] = {"read": lambda: read(False), "load": lambda: load(False)}
+        if evict(files):
+            fns |= {"cold_read": lambda: read(True), "cold_load": lambda: load(True)}
+        t = interleaved(fns, rounds)
+    print(f"  load: {nbytes / 2**30:.2f} GiB bf16 folder, computing in {str(dtype).removeprefix('torch.')}; "
           f"peak RSS {peak:.2f} GiB")
-    return {"file_bytes": nbytes, "read_s": t["read"], "load_s": t["load"], "dtype": str(dtype),
-            "peak_rss_gib": peak}
+    if "cold_read" in t:
+        print(f"  from the disk: read in {t['cold_read']:.2f} s, loaded in {t['cold_load']:.2f} s "
+              f"({t['cold_load'] / t['cold_read']:.2f}x)")
+    print(f"  from the page cache: read in {t['read']:.3f} s, loaded in {t['load']:.2f} s "
+          f"({t['load'] / t['read']:.2f}x)")
+    return {"file_bytes": nbytes, "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
+            "cold_load_s": t.get("cold_load"), "dtype": str(dtype), "peak_rss_gib": peak}
 
 
 def parity(cfg: ModelConfig) -> dict:
@@ -138,33 +170,46 @@ def draw_costs(engine: Engine, tokens: int, rounds: int) -> dict:
     return {"greedy_ms": t["greedy"], "sampled_ms": t["sampled"], "cut_ms": t["cut"]}
 
 
+SECTIONS = (1, 2, 3, 4)
+
+
 @torch.no_grad()
 def run(model: str = "Qwen3.5-0.8B", prompt: int = 512, tokens: int = 16, rounds: int = 3,
-        ttft: tuple[int, ...] = (2048,), cfg: ModelConfig | None = None) -> dict:
-    """``cfg``: another shape, named ``model`` in the output (a test's small one)."""
+        ttft: tuple[int, ...] = (2048,), cfg: ModelConfig | None = None,
+        sections: tuple[int, ...] = SECTIONS) -> dict:
+    """``cfg``: another shape, named ``model`` in the output (a test's small one). ``sections``:
+    the steps to run (a larger model may fit this machine's memory one step at a time)."""
     cfg = cfg or config_of(model)
     print(f"released shape {model} (random weights) on {machine()}")
-    print("1. loading a bf16 checkpoint folder")
-    loaded = load_ratio(cfg, rounds)
-    print("2. parity with transformers (fp32)")
-    matched = parity(cfg)
-    gc.collect()   # each step's models freed before the next builds its own (2B in fp32 is 9 GB)
-    print("3. prefill and decode against transformers")
-    speed = runtime.run("cpu", prompt, tokens, rounds, cfg=cfg, label=model)
-    gc.collect()
-    print("4. capsules")
-    with Engine.from_config(cfg, max_seq_len=max(ttft) + capsules.SUFFIX + 64) as engine:
-        copies = capsules.copy_ratios(engine, [p for p in (256, 1024, 2048) if p <= max(ttft)], rounds)
-        firsts = capsules.ttft(engine, list(ttft), rounds)
-        sizes = capsules.size_account(engine)
-        draws = draw_costs(engine, tokens, rounds)
-    checks = [verdict(f"{model}: load / read its files", loaded["load_s"] / loaded["read_s"], 2.0, False)]
-    checks += [dict(c, name=f"{model}: {c['name']}") for c in speed["checks"]]
-    checks += [verdict(f"{model}: restore / copy at {r['bytes'] / 2**20:.1f} MiB", r["restore_ratio"], 1.3, False)
-               for r in copies if r["bytes"] >= 4 * 2**20]
-    return {"machine": machine(), "model": model, "load": loaded, "parity": matched, "runtime": speed,
-            "copies": copies, "ttft": firsts, "sizes": sizes, "draws": draws, "peak_rss_gib": peak_rss_gib(),
-            "checks": checks}
+    out: dict = {"machine": machine(), "model": model}
+    checks: list[dict] = []
+    if 1 in sections:
+        print("1. loading a bf16 checkpoint folder")
+        loaded = out["load"] = load_ratio(cfg, rounds)
+        cold = loaded["cold_load_s"] is not None
+        ratio = loaded["cold_load_s"] / loaded["cold_read_s"] if cold else loaded["load_s"] / loaded["read_s"]
+        checks.append(verdict(f"{model}: load / read its files, {'from the disk' if cold else 'from the page cache'}",
+                              ratio, 2.0, False))
+    if 2 in sections:
+        print("2. parity with transformers (fp32)")
+        out["parity"] = parity(cfg)
+        gc.collect()   # each step's models freed before the next builds its own (2B in fp32 is 9 GB)
+    if 3 in sections:
+        print("3. prefill and decode against transformers")
+        speed = out["runtime"] = runtime.run("cpu", prompt, tokens, rounds, cfg=cfg, label=model)
+        checks += [dict(c, name=f"{model}: {c['name']}") for c in speed["checks"]]
+        gc.collect()
+    if 4 in sections:
+        print("4. capsules")
+        with Engine.from_config(cfg, max_seq_len=max(ttft) + capsules.SUFFIX + 64) as engine:
+            copies = out["copies"] = capsules.copy_ratios(engine, [p for p in (256, 1024, 2048) if p <= max(ttft)],
+                                                          rounds)
+            out["ttft"] = capsules.ttft(engine, list(ttft), rounds)
+            out["sizes"] = capsules.size_account(engine)
+            out["draws"] = draw_costs(engine, tokens, rounds)
+        checks += [verdict(f"{model}: restore / copy at {r['bytes'] / 2**20:.1f} MiB", r["restore_ratio"], 1.3, False)
+                   for r in copies if r["bytes"] >= 4 * 2**20]
+    return out | {"peak_rss_gib": peak_rss_gib(), "checks": checks}
 
 
 def main() -> None:
@@ -174,8 +219,18 @@ def main() -> None:
         parser.add_argument("--tokens", type=positive_int, default=16)
         parser.add_argument("--rounds", type=positive_int, default=3)
         parser.add_argument("--ttft", type=lambda s: tuple(positive_int(x) for x in s.split(",")), default=(2048,))
+        parser.add_argument("--sections", type=_sections, default=SECTIONS,
+                            help="the steps to run, e.g. 4 or 1,4 (default all: 1,2,3,4)")
 
-    bench_main(__doc__, arguments, lambda a: run(a.model, a.prompt, a.tokens, a.rounds, a.ttft), device=False)
+    bench_main(__doc__, arguments, lambda a: run(a.model, a.prompt, a.tokens, a.rounds, a.ttft, sections=a.sections),
+               device=False)
+
+
+def _sections(text: str) -> tuple[int, ...]:
+    chosen = tuple(sorted({positive_int(x) for x in text.split(",")}))
+    if not set(chosen) <= set(SECTIONS):
+        raise argparse.ArgumentTypeError(f"sections are {', '.join(map(str, SECTIONS))}")
+    return chosen
 
 
 if __name__ == "__main__":
