@@ -145,15 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--iterations", type=int, default=2800, help="iterations per round (default 2800)")
     parser.add_argument("--rounds", type=int, default=3, help="DAgger rounds after the first (default 3)")
+    parser.add_argument("--batch", type=int, default=24, help="sequences per gradient step (default 24)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine to a tenth (default 2e-3)")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (default 2, whatever the machine's cores: the checkpoint depends on "
                              "the thread count, which splits the sums)")
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error("--threads must be at least 1")
+    if args.threads < 1 or args.batch < 1:
+        parser.error("--threads and --batch must be at least 1")
+    if not 0 < args.lr < 1:
+        parser.error("--lr must be in (0, 1)")
     torch.set_num_threads(args.threads)
     started, cpu = time.monotonic(), time.process_time()
-    model, losses, took = train(args.seed, args.iterations, args.rounds)
+    model, losses, took = train(args.seed, args.iterations, args.rounds, args.batch, args.lr)
     wall, cpu = time.monotonic() - started, time.process_time() - cpu
     for it, loss in losses:
         print(f"iteration {it:5d}  loss {loss:.5f}")
