@@ -349,8 +349,8 @@ def _empty_shared(cfg: ModelConfig, name: str) -> bool:
 def generation_settings(path: str | Path, cfg: ModelConfig) -> tuple[tuple[int, ...], Sampling]:
     """From ``generation_config.json`` (absent: the config's eos ids, greedy): the stop ids (the
     config's eos ids and the file's: a chat release ends its turns with a token, Qwen3.5's
-    <|im_end|>, that config.json does not name; without it, generation ran on past the answer
-    and made up the next turns) and the release's sampling defaults (greedy unless it says
+    <|im_end|>, that config.json does not name; without it, generation runs on past the answer
+    and makes up the next turns) and the release's sampling defaults (greedy unless it says
     ``do_sample``; transformers' defaults for what it leaves out: temperature 1, top_k 50,
     top_p 1). Kept out of the config: they change no state, so they must not change the model
     fingerprint (and with it every capsule's)."""
