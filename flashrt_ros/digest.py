@@ -39,12 +39,12 @@ def _hash(spans: Iterable[tuple[int, int]], read: Callable[[int, int], object], 
 def state_digest(ranges: Iterable[tuple[int, int]], read: Callable[[int, int], object], *,
                  every_core: bool = False) -> str:
     """The digest of the state whose capsule stores arena ``ranges`` (``Layout.ranges(position)``).
-    ``every_core``: hash on every core, for a caller that waits for it (one core by default: the
-    digest worker hashes beside a decode that has the other cores)."""
+    One core by default: the digest worker hashes every snapshot in the background, beside a
+    decode that has the other cores. ``every_core``: for a request that waits on the hash (a
+    fleet pull); a CPU decode running beside it shares the cores for those milliseconds."""
     return _hash(ranges, read, every_core)
 
 
-def history_digest(regions: Iterable[_Region], position: int, read: Callable[[int, int], object], *,
-                   every_core: bool = False) -> str:
+def history_digest(regions: Iterable[_Region], position: int, read: Callable[[int, int], object]) -> str:
     spans = ((r.offset, r.offset + r.live_bytes(position)) for r in regions if r.name in HISTORY_REGIONS)
-    return _hash(spans, read, every_core)
+    return _hash(spans, read, False)

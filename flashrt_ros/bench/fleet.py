@@ -4,11 +4,11 @@ side in one run, on ``ModelConfig.bench()``.
     python -m flashrt_ros.bench.fleet [--prefixes 2048,8192,16384] [--rounds 11] [--url redis://host:6379/0]
 
 1. publish of a P-token capsule, every chunk new (the server is emptied first): export from the
-   store, the digest check, the cut, chunk hashing, touch, pipelined SET NX, the manifest
-   commit / a pipelined SET of the same chunks' bytes, in the same batches (target <= 1.5);
-2. pull, verify and restore (manifest checks, pipelined GET, a digest per chunk, the capsule
-   digest and history hash, the copy into the store, the restore's copy into the arena) / a
-   pipelined GET of the same bytes (target <= 1.5);
+   store, the cut, chunk hashing, touch, pipelined SET NX, the manifest commit / a pipelined
+   SET of the same chunks' bytes, in the same batches (target <= 1.5);
+2. pull, verify and restore (manifest checks, pipelined GET, each chunk placed, the capsule
+   digest and history hash, the store adopting the bytes, the restore's copy into the arena) /
+   a pipelined GET of the same bytes (target <= 1.5);
 3. bytes on the server for a lineage of 10 snapshots, each 64 tokens past the last, published
    one after another / the 10 capsules' sizes (what 10 independent capsules would store);
 4. 8 pullers of one capsule at once (the longest prefix), each a client and a store of its

@@ -39,7 +39,6 @@ import torch
 
 from ..digest import history_digest, state_digest
 from ..errors import shown
-from ..hugepages import empty_huge
 from . import fleet_manifest, signing
 from .disk_capsules import range_reader
 from .errors import (BudgetExceeded, CapsuleError, CapsuleIOError, CorruptCapsule, FleetUnavailable,
@@ -366,8 +365,8 @@ class FleetTier:
                                              capsule_id)
             info = manifest.info
             store.check_room(tier, info.nbytes)
-            # This process's memory, not the client's buffers; on huge pages, as the arena is:
-            # a restore streams from it, and a fresh buffer faults in every page on the first write.
+            # This process's memory, not the client's buffers (4 KiB pages: a huge page's first
+            # fault may stall on compaction, and this is a request's path; see hugepages).
             data = torch.empty(info.nbytes, dtype=torch.uint8)
             received = self._fetch(manifest, data.numpy(), deadline)
             ranges = store.layout.ranges(info.position)
@@ -376,7 +375,7 @@ class FleetTier:
             # Only a capsule refused is hashed chunk by chunk, to name what is wrong.
             if state_digest(ranges, read, every_core=True) != info.digest:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: {_first_altered(manifest, data.numpy())}")
-            if history_digest(store.layout.regions, info.position, read, every_core=True) != info.history_hash:
+            if history_digest(store.layout.regions, info.position, read) != info.history_hash:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: does not match its history hash")
         except CapsuleError:
             self._count(failures=1)

@@ -76,7 +76,7 @@ def length(spans: Sequence[Span]) -> int:
 
 def digest(value: bytes | memoryview) -> str:
     """A chunk's name: BLAKE3-256 of its bytes, the hash the capsule digest uses. On every
-    core: a publish or a pull waits for it."""
+    core, as ``digest.state_digest(every_core=True)``: a publish waits for it."""
     return blake3(value, max_threads=blake3.AUTO).hexdigest()
 
 

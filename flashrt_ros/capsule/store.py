@@ -380,8 +380,8 @@ class CapsuleStore:
 
     def _host_view(self, record: Record) -> torch.Tensor | None:
         """The record's data as one view, if its pieces are its ranges laid end to end in one
-        host chunk; None otherwise (pieces shared with another capsule, a device pool chunk
-        that a release lets the pool hand out again)."""
+        host chunk; None otherwise (rows in another chunk, as a snapshot that shares its base's
+        rows has; a device pool chunk, which a release lets the pool hand out again)."""
         pieces = record.pieces
         if not pieces or pieces[0].chunk.tier != "host" or pieces[0].chunk.data.device.type != "cpu":
             return None
