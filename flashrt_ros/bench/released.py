@@ -53,11 +53,23 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def in_memory(path: Path) -> bool:
+    """Whether ``path`` lies on a file system kept in memory (tmpfs, ramfs), which has no disk
+    to read from: the longest mount point of /proc/self/mounts that holds it says."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return False
+    resolved = str(path.resolve())
+    held = [(point, kind) for point, kind in mounts if resolved == point or resolved.startswith(point.rstrip("/") + "/")]
+    return bool(held) and max(held, key=lambda m: len(m[0]))[1] in ("tmpfs", "ramfs")
+
+
 def evict(files: list[Path]) -> bool:
     """Drop the files' pages from the page cache (``POSIX_FADV_DONTNEED``, which needs no root
     and drops clean pages only: the files were synced when written), so that the next read
-    comes from the disk. False where the call is missing."""
-    if not hasattr(os, "posix_fadvise"):
+    comes from the disk. False where the call is missing or the files have no disk."""
+    if not hasattr(os, "posix_fadvise") or any(in_memory(f) for f in files[:1]):
         return False
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -71,7 +83,7 @@ def evict(files: list[Path]) -> bool:
 def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
     """Loading a bf16 checkpoint folder against reading its files once, from the disk and from
     the page cache."""
-    with tempfile.TemporaryDirectory() as folder:   # TMPDIR: on a disk (on tmpfs "from the disk" reads memory)
+    with tempfile.TemporaryDirectory() as folder:   # TMPDIR; on tmpfs only the page-cache figures are taken
         weights = {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()}
         save_checkpoint(folder, cfg, weights)
         del weights
