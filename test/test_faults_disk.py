@@ -19,13 +19,17 @@ import pytest
 
 from flashrt_ros.runtime import Engine, ModelConfig
 
-_WRITER = textwrap.dedent("""
+# Each writer stops at 2000 tokens: its capsules then sum to under 80 MB, so the twelve lives of
+# the test stay under 1 GB, half the disk budget, however fast the machine lets a writer go
+# before it is killed. No capsule is ever evicted, and every one reported saved must be there.
+_DISK_BUDGET = 2 << 30
+_WRITER = textwrap.dedent(f"""
     import sys
     from flashrt_ros.runtime import Engine, ModelConfig
     engine = Engine.from_config(ModelConfig.tiny(), max_seq_len=4096, capsule_dir=sys.argv[1],
-                                budgets={"disk": 1 << 30})
+                                budgets={{"disk": {_DISK_BUDGET}}})
     print("ready", flush=True)
-    while engine.position < 4000:
+    while engine.position < 2000:
         engine.prefill(list(range(1, 30)))
         info = engine.snapshot(tier="disk")
         print("saved", info.id, flush=True)
@@ -47,7 +51,7 @@ def test_sigkill_mid_save_leaves_only_whole_capsules(tmp_path):
         saved += [m.group(1) for m in re.finditer(r"^saved ([0-9a-f]{16})$", out, re.MULTILINE)]
         finals = sorted(folder.glob("*.capsule"))
         loaded = Engine.from_config(ModelConfig.tiny(), max_seq_len=4096, capsule_dir=str(folder),
-                                    budgets={"disk": 1 << 30})
+                                    budgets={"disk": _DISK_BUDGET})
         ids = {c.id for c in loaded.capsules.list()}
         assert len(ids) == len(finals), "a file under a final name did not load: partial or corrupt"
         assert set(saved) <= ids, "a capsule reported saved was lost"
@@ -71,7 +75,7 @@ def _a_new_node_loads_them_all(folder: Path, expected: int) -> None:
 
     env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
     node = subprocess.Popen([sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "-p", "autostart:=true",
-                             "-p", "max_seq_len:=4096", "-p", f"capsule_dir:={folder}", "-p", "budgets.disk_mb:=1024",
+                             "-p", "max_seq_len:=4096", "-p", f"capsule_dir:={folder}", "-p", f"budgets.disk_mb:={_DISK_BUDGET >> 20}",
                              "-p", "status_rate:=0.0", "-p", "policy.obs_dim:=0", "-p", "policy.action_dim:=0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = os.environ.get("ROS_AUTOMATIC_DISCOVERY_RANGE")
