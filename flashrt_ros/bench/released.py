@@ -61,7 +61,8 @@ def in_memory(path: Path) -> bool:
     except OSError:
         return False
     resolved = str(path.resolve())
-    held = [(point, kind) for point, kind in mounts if resolved == point or resolved.startswith(point.rstrip("/") + "/")]
+    held = [(point, kind) for point, kind in mounts
+            if resolved == point or resolved.startswith(point.rstrip("/") + "/")]
     return bool(held) and max(held, key=lambda m: len(m[0]))[1] in ("tmpfs", "ramfs")
 
 
