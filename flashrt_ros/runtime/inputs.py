@@ -109,21 +109,21 @@ def optional_seed(seed: Any) -> int | None:
     return seed
 
 
-def temperature(value: Any) -> float:
+def checked_temperature(value: Any) -> float:
     """Of sampling: a finite number >= 0, where 0 means greedy."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"temperature must be a finite number >= 0 (0: greedy), got {shown(value)}")
     return float(value)
 
 
-def sampling(temperature_: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0) -> Sampling:
+def sampling(temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0) -> Sampling:
     """Checked sampling values (``sampling.Sampling``), or InvalidArgument naming the one refused."""
     if not is_int(top_k) or not 0 <= top_k < 2**31:
         raise InvalidArgument(f"top_k must be an int >= 0 (0: no top-k cut), got {shown(top_k)}")
     if (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not math.isfinite(top_p)
             or not 0 < top_p <= 1):
         raise InvalidArgument(f"top_p must be a number in (0, 1] (1: no nucleus cut), got {shown(top_p)}")
-    return Sampling(temperature(temperature_), int(top_k), float(top_p))
+    return Sampling(checked_temperature(temperature), int(top_k), float(top_p))
 
 
 def count(value: Any, what: str) -> int:
