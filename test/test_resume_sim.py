@@ -52,7 +52,7 @@ def test_the_shipped_policy_loads_acts_and_reaches_the_first_waypoint_of_held_ou
     with open_policy(DEFAULT_OUT) as engine:
         assert (engine.config.obs_dim, engine.config.action_dim) == (OBS_DIM, ACTION_DIM)
         visited = [run_route(engine, arm, Route.sample(seed)).visited for seed in HELD_OUT_SEEDS[:5]]
-    # The shipped policy does not do every held-out route (81%, docs/sim.md); it takes each
+    # The shipped policy does not do every held-out route (docs/sim.md); it takes each
     # route in and reaches its first waypoint.
     assert min(visited) >= 1, visited
 
@@ -102,6 +102,30 @@ def test_the_ablation_runs_and_draws(tmp_path):
     assert all(label in table for label in resume_ablation.LABELS.values()) and "N=2" in table
     assert [r.success for r in result.runs["full"]] == [r.success for r in result.runs["recompute"]]
     assert (resume_ablation.draw(result, tmp_path)).stat().st_size > 0
+
+
+def test_training_runs_the_gated_deltanet_in_its_own_chunks_and_acts_as_the_default_chunks():
+    pytest.importorskip("transformers")
+    from unittest import mock
+
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
+
+    from flashrt_ros.sim.train_policy import actions, build, policy_config
+
+    chunk = 16   # what the faster recipes of docs/sim.md train with (--chunk 16)
+    model = build(policy_config(), seed=0)
+    linear = sum(kind == "linear_attention" for kind in model["lm"].config.layer_types)
+    x = torch.randn(2, 3 * chunk + 5, OBS_DIM, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        default = actions(model, x)
+        # A spy: the real kernel runs, and says which chunk it was asked for.
+        with mock.patch.object(reference, "torch_chunk_gated_delta_rule",
+                               wraps=reference.torch_chunk_gated_delta_rule) as kernel:
+            trained = actions(model, x, chunk)
+    assert kernel.call_count == linear > 0
+    assert all(call.kwargs.get("chunk_size") == chunk for call in kernel.call_args_list)
+    assert (trained - default).abs().max() < 1e-5
 
 
 def test_the_wilson_interval_matches_its_formula():

@@ -51,8 +51,12 @@ def build(cfg: ModelConfig, seed: int) -> torch.nn.ModuleDict:
                                 "action_head": torch.nn.Linear(cfg.hidden_size, cfg.action_dim)})
 
 
-def actions(model: torch.nn.ModuleDict, observations: torch.Tensor) -> torch.Tensor:
-    hidden = model["lm"].model(inputs_embeds=model["obs_proj"](observations)).last_hidden_state
+def actions(model: torch.nn.ModuleDict, observations: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Actions for [batch, steps, obs] observations. ``chunk_size``: the chunk length of
+    transformers' chunked Gated DeltaNet (None: its default); the chunked form is exact for
+    any length, so only the rounding and the cost change with it."""
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    hidden = model["lm"].model(inputs_embeds=model["obs_proj"](observations), **extra).last_hidden_state
     return model["action_head"](hidden)
 
 
