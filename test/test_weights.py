@@ -244,3 +244,24 @@ def test_seeded_weights_are_the_same_bytes_at_every_kernel_level_and_thread_coun
     cfg = ModelConfig.tiny(obs_dim=23, action_dim=7)
     assert seen[0][0] == "DEFAULT"
     assert {digest for _, digest in seen} == {fingerprint(cfg, seeded_weights(cfg, 0))}
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig.tiny(), ModelConfig.tiny(obs_dim=4, action_dim=2)], ids=["lm", "policy"])
+def test_a_closed_engine_frees_its_weights_with_its_last_reference_not_at_a_later_collection(cfg):
+    import weakref
+
+    gc.collect()
+    gc.disable()   # what frees the weights must be the references, not a collector's pass
+    try:
+        engine = Engine.from_config(cfg, max_seq_len=64)
+        if cfg.policy:
+            engine.step(torch.zeros(cfg.obs_dim))
+        else:
+            engine.prefill([1, 2, 3])
+            engine.generate(4, speculative=2)
+        weight = weakref.ref(engine.model.lm_head.w)
+        engine.close()
+        del engine
+        assert weight() is None
+    finally:
+        gc.enable()

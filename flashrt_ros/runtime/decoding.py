@@ -78,6 +78,15 @@ class Decoder:
         if cuda_graphs:
             torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Drop the steps and the drafter. Their closures and bound methods hold this decoder
+        (a reference cycle) and, through the model, every weight: dropped, the weights go with
+        the engine's last reference, not at some later garbage collection."""
+        self._greedy = self._sampled = self._cut = self._policy = None
+        self.verify_steps.clear()
+        if self.speculation is not None:
+            self.speculation.drafter = None
+
     def drafts_for(self, speculative: int | None) -> int:
         """The drafts per pass ``speculative`` asks for (None: 0, no speculation), or InvalidArgument."""
         if speculative is None:

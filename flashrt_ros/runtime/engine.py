@@ -191,8 +191,10 @@ class Engine:
 
     def close(self) -> None:
         """Release the capsule store's memory and its digest thread (disk capsules stay on
-        disk). The engine must not be used afterwards."""
+        disk), and the decoder's steps, so that the weights go with the engine's last reference.
+        The engine must not be used afterwards."""
         self.capsules.close()
+        self.decoder.close()
 
     def __enter__(self) -> "Engine":
         return self
