@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashrt_ros.errors import CheckpointError, ErrorCode
+from flashrt_ros.errors import CheckpointError, ErrorCode, NotActive
 from flashrt_ros.runtime import Engine, ModelConfig
 from flashrt_ros.runtime.weights import fingerprint, save_checkpoint, seeded_weights
 from hf_reference import save_hf_model
@@ -261,6 +261,8 @@ def test_a_closed_engine_frees_its_weights_with_its_last_reference_not_at_a_late
             engine.generate(4, speculative=2)
         weight = weakref.ref(engine.model.lm_head.w)
         engine.close()
+        with pytest.raises(NotActive, match="closed"):   # a late call is refused, by name
+            engine.step(torch.zeros(cfg.obs_dim)) if cfg.policy else engine.generate(1)
         del engine
         assert weight() is None
     finally:

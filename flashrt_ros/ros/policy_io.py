@@ -158,6 +158,8 @@ class PolicyIO:
             if self._goal_mode:
                 obs = with_goal(obs, self._goals[0] if self._goals else None)
             with session.engine.lock:
+                if node.session is not session:   # freed (deactivated) while this waited for the lock
+                    return
                 # Checked under the engine lock, which a goal holds for each token it commits:
                 # a step now would land between two of its tokens, inside the text it returns.
                 if node.generating():

@@ -79,9 +79,10 @@ class Decoder:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        """Drop the steps and the drafter. Their closures and bound methods hold this decoder
-        (a reference cycle) and, through the model, every weight: dropped, the weights go with
-        the engine's last reference, not at some later garbage collection."""
+        """Drop the steps and the drafter: the steps' closures hold this decoder, and the
+        drafter (a bound method) its Speculation, cycles that keep the model and every weight
+        until a garbage collection. Dropped, the weights go with the engine's last reference.
+        Nothing may step afterwards (``Engine.close`` refuses it)."""
         self._greedy = self._sampled = self._cut = self._policy = None
         self.verify_steps.clear()
         if self.speculation is not None:

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..capsule import CapsuleInfo, CapsuleStore, Layout
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, NotActive
 from . import inputs, loading, streaming, weights as weights_io
 from .arena import StateArena
 from .backends import cpu as cpu_backend
@@ -56,6 +56,7 @@ class Engine:
         self._flush_denormal = opts.flush_denormal and self.device.type == "cpu"
         self._decode_threads = opts.decode_threads if self.device.type == "cpu" else 0
         self._lock = FairRLock()
+        self._closed = False
         # Everything built here is a normal tensor even when the caller is inside
         # torch.inference_mode(): the capsule calls and the digest thread write into the
         # arena, the pool and the rollback ring outside it, which inference tensors refuse.
@@ -65,6 +66,8 @@ class Engine:
             except BaseException as exc:
                 if hasattr(self, "capsules"):   # its digest thread and device pool: a refusal keeps nothing
                     self.capsules.close()
+                if hasattr(self, "decoder"):    # nor its weights, held by the steps' closures (Decoder.close)
+                    self.decoder.close()
                 # The allocator's own error: the weights or the state do not fit.
                 if not isinstance(exc, torch.OutOfMemoryError) and not (
                         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
@@ -194,7 +197,9 @@ class Engine:
         disk), and the decoder's steps, so that the weights go with the engine's last reference.
         The engine must not be used afterwards."""
         self.capsules.close()
-        self.decoder.close()
+        with self._lock:   # an operation in flight finishes first; a later one is refused
+            self._closed = True
+            self.decoder.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -216,6 +221,8 @@ class Engine:
         start now, alongside this step, not inside the snapshot call (see capsule.digest_worker)."""
         self.capsules.start_digests()
         with self._lock, torch.inference_mode():
+            if self._closed:
+                raise NotActive("this engine is closed")
             if self._flush_denormal:
                 torch.set_flush_denormal(True)
             if not (step and self._decode_threads):
