@@ -6,7 +6,7 @@
 #   make demo    python -m flashrt_ros.demo: the robot scenario over ROS 2 (installed package)
 #   make bench   python -m flashrt_ros.bench (installed package)
 #   make train-policy  retrain data/policies/reach_arm from its seed (a few minutes)
-#   make train-resume-policy  retrain data/policies/waypoints_arm, the waypoint task's (about 18 minutes on 2 cores)
+#   make train-resume-policy  retrain data/policies/waypoints_arm, the waypoint task's (about 18 minutes)
 #   make spec-model    train build/spec_model, the byte model and MTP head the speculative
 #                benchmark measures (about 17 minutes; make bench makes it when missing)
 #   make spec-tiny     retrain data/spec_tiny, the small one the tests use (about 6 minutes)

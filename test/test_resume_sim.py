@@ -106,14 +106,16 @@ def test_the_ablation_runs_and_draws(tmp_path):
 
 def test_training_runs_the_gated_deltanet_in_its_own_chunks_and_acts_as_the_default_chunks():
     pytest.importorskip("transformers")
+    import inspect
     from unittest import mock
 
     import torch
     from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
 
     from flashrt_ros.sim.train_policy import actions, build, policy_config
+    from flashrt_ros.sim.train_resume_policy import train
 
-    chunk = 16   # what the faster recipes of docs/sim.md train with (--chunk 16)
+    chunk = inspect.signature(train).parameters["chunk"].default
     model = build(policy_config(), seed=0)
     linear = sum(kind == "linear_attention" for kind in model["lm"].config.layer_types)
     x = torch.randn(2, 3 * chunk + 5, OBS_DIM, generator=torch.Generator().manual_seed(0))

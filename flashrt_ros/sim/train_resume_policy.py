@@ -95,10 +95,10 @@ def train(seed: int = 0, iterations: int = 2800, rounds: int = 3, batch: int = 2
     each adding the episodes the policy of the round before drives and training ``iterations`` more.
     ``ema``: the policy (that drives the DAgger rounds and is returned) is the exponential moving
     average of the weights with this decay per step (None: the last step's weights). ``chunk``: the
-    chunk length of transformers' chunked Gated DeltaNet (None: its default, 64, made for long
-    prompts). These sequences are mostly 20 to 70 steps, so much of a 64-step chunk is padding,
-    and its 64-wide triangular solves, forward and backward, take a large share of a CPU step;
-    the chunked form is exact for any length, so a shorter chunk changes only the rounding."""
+    chunk length of transformers' chunked Gated DeltaNet (None: its default, 64). These
+    sequences are mostly 20 to 70 steps, so much of a 64-step chunk is padding, and each chunk
+    costs a 64-wide triangular solve forward and backward; the chunked form is exact for any
+    length, so a shorter chunk changes only the rounding."""
     took = {"demonstrations": 0.0, "dagger": 0.0, "training": 0.0}
     started = time.monotonic()
     data = demonstrate(TRAIN_SEEDS)
