@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ema must be in [0, 1)")
     torch.set_num_threads(args.threads)
     started, cpu = time.monotonic(), time.process_time()
-    model, losses, took = train(args.seed, args.iterations, args.rounds, args.batch, args.lr, args.ema or None, args.chunk)
+    model, losses, took = train(args.seed, args.iterations, args.rounds, args.batch, args.lr,
+                                ema=args.ema or None, chunk=args.chunk)
     wall, cpu = time.monotonic() - started, time.process_time() - cpu
     for it, loss in losses:
         print(f"iteration {it:5d}  loss {loss:.5f}")
