@@ -41,7 +41,7 @@ def state_digest(ranges: Iterable[tuple[int, int]], read: Callable[[int, int], o
     """The digest of the state whose capsule stores arena ``ranges`` (``Layout.ranges(position)``).
     One core by default: the digest worker hashes every snapshot in the background, beside a
     decode that has the other cores. ``every_core``: for a request that waits on the hash (a
-    fleet pull); a CPU decode running beside it shares the cores for those milliseconds."""
+    fleet pull); a CPU decode running beside it shares the cores while it hashes."""
     return _hash(ranges, read, every_core)
 
 

@@ -76,7 +76,8 @@ def _a_new_node_loads_them_all(folder: Path, expected: int) -> None:
     env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
     node = subprocess.Popen([sys.executable, "-m", "flashrt_ros.ros.main", "--ros-args", "-p", "autostart:=true",
                              "-p", "max_seq_len:=4096", "-p", f"capsule_dir:={folder}",
-                             "-p", f"budgets.disk_mb:={_DISK_BUDGET >> 20}", "-p", "status_rate:=0.0", "-p", "policy.obs_dim:=0", "-p", "policy.action_dim:=0"],
+                             "-p", f"budgets.disk_mb:={_DISK_BUDGET >> 20}", "-p", "status_rate:=0.0",
+                             "-p", "policy.obs_dim:=0", "-p", "policy.action_dim:=0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = os.environ.get("ROS_AUTOMATIC_DISCOVERY_RANGE")
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"

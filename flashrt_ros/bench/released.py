@@ -70,7 +70,7 @@ def evict(files: list[Path]) -> bool:
     """Drop the files' pages from the page cache (``POSIX_FADV_DONTNEED``, which needs no root
     and drops clean pages only: the files were synced when written), so that the next read
     comes from the disk. False where the call is missing or the files have no disk."""
-    if not hasattr(os, "posix_fadvise") or any(in_memory(f) for f in files[:1]):
+    if not hasattr(os, "posix_fadvise") or not files or in_memory(files[0]):
         return False
     for f in files:
         fd = os.open(f, os.O_RDONLY)

@@ -15,8 +15,9 @@ Publish: the capsule's bytes are read out of the store (``CapsuleStore.export``:
 its immutable host bytes, or a copy) and cut into chunks named by their digests (not checked
 against the capsule digest here: every reader checks them); its chunks are touched (marked
 in use now), the missing ones sent with SET NX in pipelined batches, and the manifest written
-last by a script that writes it only if every chunk is there and freshly touched. A publish that dies half-way leaves chunks no
-manifest names, which expire or are collected; never a manifest without its chunks.
+last by a script that writes it only if every chunk is there and freshly touched. A publish
+that dies half-way leaves chunks no manifest names, which expire or are collected; never a
+manifest without its chunks.
 
 Pull: the manifest is read and checked (signature, fingerprints, every header field, the
 cut), the chunks fetched in pipelined batches into memory this process allocates, each
