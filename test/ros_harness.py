@@ -1,7 +1,8 @@
 """A live flashrt node and a client node in one process, over real rclpy and DDS.
 
-The executor spins both nodes in a background thread; callers block on a
-future's done-callback (the fast way, per the notes), never on spinning.
+Single-threaded executors spin the two nodes, each in a background thread of its own, as
+``flashrt_node`` spins its node; callers block on a future's done-callback (the fast way, per the notes),
+never on spinning.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rclpy.action import ActionClient
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
@@ -41,12 +42,17 @@ class Harness:
         self.client = _client_node(context)
         self.clients = {k: self.client.create_client(t, f"/{name}/{k}") for k, t in SERVICES.items()}
         self.generate_client = ActionClient(self.client, Generate, f"/{name}/generate")
-        self.executor = MultiThreadedExecutor(num_threads=6, context=context)
+        # Each on an executor of its own, as two processes would be: the node's executor waits
+        # while a timer of its waits for the engine lock, and the client must go on meanwhile.
+        self.executor = SingleThreadedExecutor(context=context)
         self.executor.add_node(self.node)
-        self.executor.add_node(self.client)
+        self.client_executor = SingleThreadedExecutor(context=context)
+        self.client_executor.add_node(self.client)
         self._closing = False
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._spin, args=(self.executor,), daemon=True)
+        self._client_thread = threading.Thread(target=self._spin, args=(self.client_executor,), daemon=True)
+        for thread in (self._thread, self._client_thread):
+            thread.start()
         for client in self.clients.values():
             assert client.wait_for_service(timeout_sec=10)
         if activate:
@@ -81,9 +87,11 @@ class Harness:
             time.sleep(0.01)
         return joints, poses
 
-    def _spin(self) -> None:
+    def _spin(self, executor) -> None:
         try:
-            self.executor.spin()
+            executor.spin()
+        except ExternalShutdownException:   # the context shut down: spinning ends, as in flashrt_node
+            pass
         except Exception:
             # rclpy: a task that ends while shutdown destroys the executor's guard condition
             # raises InvalidHandle from spin; only an error before close() is the test's business.
@@ -92,8 +100,10 @@ class Harness:
 
     def close(self) -> None:
         self._closing = True
-        self.executor.shutdown(timeout_sec=5)
-        self._thread.join(5)   # before the nodes go: a handler still running would touch them
+        for executor in (self.executor, self.client_executor):
+            executor.shutdown(timeout_sec=5)
+        for thread in (self._thread, self._client_thread):
+            thread.join(5)   # before the nodes go: a handler still running would touch them
         self.node.destroy_node()
         self.client.destroy_node()
 
@@ -107,7 +117,7 @@ def _client_node(context):
 @contextmanager
 def spun_client(context):
     """A client node spun alone by a single-threaded executor on a thread; torn down on exit."""
-    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
     client = _client_node(context)
     executor = SingleThreadedExecutor(context=context)

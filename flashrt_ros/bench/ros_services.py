@@ -163,7 +163,7 @@ def cross_process(calls: int) -> dict:
 def same_process(calls: int) -> dict:
     import rclpy
     from rclpy.context import Context
-    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
 
     from ..ros.node import FlashRTNode
@@ -174,7 +174,7 @@ def same_process(calls: int) -> dict:
                                                                Parameter("status_rate", value=0.0)])
     server.trigger_configure()
     server.trigger_activate()
-    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    executor = SingleThreadedExecutor(context=context)   # as flashrt_node spins it
     executor.add_node(server)
     threading.Thread(target=executor.spin, daemon=True).start()
     node, client_executor = _client(context)

@@ -4,6 +4,11 @@ A behaviour tree that halts a Generate and ticks it again sends its new goal whi
 canceled one is still finishing its step; refusing that goal would make every client retry.
 So one goal waits behind the one running, and a goal beyond that is refused (BUSY). A waiting
 goal canceled before its turn commits nothing and answers the position. See docs/ros.md.
+
+The server lives on a side node (``side_node``) whose executor has a thread for each goal that
+may hold one (running, waiting, and one more being refused) and one for the server's own
+requests: a cancel is answered while a goal runs, and a goal never holds up the lifecycle
+node's timers and transitions.
 """
 from __future__ import annotations
 
@@ -18,22 +23,29 @@ from ..action import Generate
 from ..errors import Busy, ErrorCode, NotActive
 from .convert import outcome
 from .generation import run_generation
+from .side_node import SideNode
 
 MAX_WAITING_GOALS = 1   # each waiting goal holds an executor thread
+_THREADS = 1 + MAX_WAITING_GOALS + 1 + 1   # running, waiting, refused, the server's requests
 WAIT_POLL_S = 0.05      # a waiting goal sees its cancel, or the node's deactivation, within this
 
 
 class GoalQueue:
-    """The ~/generate action server of ``node`` (a FlashRTNode), on a callback group of its own."""
+    """The ~/generate action server of ``node`` (a FlashRTNode), on a side node of its own."""
 
     def __init__(self, node: Any) -> None:
         self._node = node
         self._running = threading.Lock()   # held by the goal that runs
         self._queue_lock = threading.Lock()
         self.waiting = 0
+        self._side = SideNode(node, "generate",
+                              lambda trace: node.get_logger().error(f"generate callback failed:\n{trace}"),
+                              threads=_THREADS)
         self._server: ActionServer | None = ActionServer(
-            node, Generate, "~/generate", self._execute, goal_callback=lambda _: GoalResponse.ACCEPT,
-            cancel_callback=lambda _: CancelResponse.ACCEPT, callback_group=ReentrantCallbackGroup())
+            self._side.node, Generate, node.resolve_topic_name("~/generate"), self._execute,
+            goal_callback=lambda _: GoalResponse.ACCEPT, cancel_callback=lambda _: CancelResponse.ACCEPT,
+            callback_group=ReentrantCallbackGroup())
+        self._side.start()
 
     def running(self) -> bool:
         """Whether a goal is running (a policy step now would interleave with its tokens)."""
@@ -44,6 +56,9 @@ class GoalQueue:
         server, self._server = self._server, None
         if server is not None:
             server.destroy()
+            # A goal still running ends at its next token (the node is inactive by now); it
+            # finds its server gone and says so.
+            self._side.stop(1.0)
 
     def _execute(self, goal_handle: Any) -> Generate.Result:
         self._node.record("~/generate/goal", goal_handle.request)

@@ -1,10 +1,9 @@
 """Entry point of the ``flashrt_node`` executable."""
 from __future__ import annotations
 
-import os
 import sys
 
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 
 from .node import FlashRTNode
 from .spinning import run_node
@@ -18,9 +17,9 @@ def _autostart(node: FlashRTNode) -> None:
 
 
 def main(args: list[str] | None = None) -> int:
-    # Threads: generation, policy steps, timers and a few concurrent services.
-    return run_node("flashrt_node", FlashRTNode, lambda: MultiThreadedExecutor(num_threads=max(4, os.cpu_count() or 1)),
-                    start=_autostart, args=args)
+    # One thread for the lifecycle node's timers and services: generation, policy steps and the
+    # capsule services run on side nodes of their own (see ``side_node`` for why).
+    return run_node("flashrt_node", FlashRTNode, SingleThreadedExecutor, start=_autostart, args=args)
 
 
 if __name__ == "__main__":

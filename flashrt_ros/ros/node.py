@@ -10,10 +10,11 @@ What lives as long as the node: its parameters, the capsule services and the gen
 (``served.Served``: the engine, its session, the journal bag, the policy topics, ~/session,
 the lease timer) is made by configure and destroyed by cleanup.
 
-Callback groups: the generate action has its own (``goals``), the timers another. The six
-capsule services are served apart, by ``services.CapsuleServices`` on a thread of their own,
-and so are the policy topics (``policy_io``); the engine lock orders them against everything
-else.
+Threads: the lifecycle node keeps its timers (in a group of their own), the lifecycle and
+parameter services and /clock, and ``flashrt_node`` spins it with a single-threaded executor.
+The generate action (``goals``), the six capsule services (``services``) and the policy topics
+(``policy_io``) are served by side nodes, each on a thread of its own (``side_node`` says why);
+the engine lock orders them against everything else.
 """
 from __future__ import annotations
 

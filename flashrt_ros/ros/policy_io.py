@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-import threading
 import traceback
 from typing import Any, Callable
 
 from geometry_msgs.msg import PoseArray, PoseStamped
-from rclpy.executors import SingleThreadedExecutor
-from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
@@ -38,7 +35,7 @@ from ..errors import ContextFull, FlashRTError, InvalidArgument
 from ..serving import Session
 from ..serving.observation import paired, with_goal
 from .convert import outcome
-from .spinning import spin_until_shutdown
+from .side_node import SideNode
 
 EPISODE_CAPSULE = "episode-start"
 
@@ -46,10 +43,8 @@ EPISODE_CAPSULE = "episode-start"
 class PolicyIO:
     """Made at configure with the node's policy parameters; ``close`` destroys what it made.
 
-    The topics live on a lean node of their own, spun by a single-threaded executor on a thread
-    of their own, for the reason the capsule services are (``services``): a callback's wake-up
-    pays for every entity its executor waits on, and the lifecycle node carries dozens. Their
-    names are resolved as the lifecycle node's (``~`` is its)."""
+    The topics live on a side node of their own (``side_node``); their names are resolved as
+    the lifecycle node's (``~`` is its)."""
 
     def __init__(self, node: Any, vals: dict[str, Any], record: Callable[[str, Any], None],
                  on_full: Callable[[str], None], on_step: Callable[[], None], on_reject: Callable[[], None]) -> None:
@@ -67,10 +62,9 @@ class PolicyIO:
         reliability = (ReliabilityPolicy.BEST_EFFORT if vals["policy.input_reliability"] == "best_effort"
                        else ReliabilityPolicy.RELIABLE)
         qos = QoSProfile(depth=10, reliability=reliability)
-        name = f"{node.get_name()}_policy"
-        # As for the capsule services' node: its own remaps come first in rcl's lookup.
-        self._io = Node(name, namespace=node.get_namespace(), context=node.context, start_parameter_services=False,
-                        cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={node.get_namespace()}"])
+        self._side = SideNode(node, "policy",
+                              lambda trace: node.get_logger().error(f"policy callback failed:\n{trace}"))
+        self._io = self._side.node
         topic = node.resolve_topic_name
         # The pose first: an executor that finds both waiting takes them in the order they were
         # made, and a joint state is paired with the latest pose taken.
@@ -82,21 +76,12 @@ class PolicyIO:
         self._action = self._io.create_publisher(JointTrajectoryPoint, topic("~/action"), 10)
         self._trajectory = (self._io.create_publisher(JointTrajectory, topic("~/joint_trajectory"), 10)
                             if vals["policy.action_dim"] == len(self.joint_names) else None)
-        self._executor = SingleThreadedExecutor(context=node.context)
-        self._executor.add_node(self._io)
-        self._thread = threading.Thread(target=self._spin, name="policy-io", daemon=True)
-        self._thread.start()
-
-    def _spin(self) -> None:
-        spin_until_shutdown(self._executor, self._io.context,
-                            lambda trace: self._node.get_logger().error(f"policy callback failed:\n{trace}"))
+        self._side.start()
 
     def close(self) -> None:
         """Stop taking observations; a step in flight finishes first (it holds the engine lock)."""
         self._action = self._trajectory = None
-        self._executor.shutdown(timeout_sec=0)
-        self._thread.join(5.0)
-        self._io.destroy_node()
+        self._side.stop(5.0)
 
     def start_episodes(self, session: Session) -> None:
         """With goals: the capsule each goal restores (the state as configure left it)."""
