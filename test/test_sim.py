@@ -1,6 +1,7 @@
 """The simulated arm (MuJoCo) and its node: deterministic, refusing bad commands, over real DDS."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -160,6 +161,14 @@ def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(r
         # Nobody answered the latest state: after lockstep_patience it is stepped all the same.
         wait(states, n + 3, timeout=5.0)
         assert sim.unanswered >= 1 and (sim.arm.data.ctrl == held).all()
+        # A reset says what the loop lost so far, then starts the episode again at time zero.
+        seen = len(states)
+        said = wait_future(reset.call_async(Trigger.Request())).message
+        assert f"{sim.refused} commands refused" in said and re.search(r"since the start, [1-9]\d* states stepped", said)
+        deadline = time.monotonic() + 5
+        while not any(s.header.stamp.sec == 0 and s.header.stamp.nanosec == 0 for s in states[seen:]):
+            assert time.monotonic() < deadline, "no state of the new episode"
+            time.sleep(0.01)
         assert wait_future(jam.call_async(SetBool.Request(data=True))).success
         held = states[-1].position[0]
         for _ in range(3):

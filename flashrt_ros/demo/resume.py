@@ -39,6 +39,7 @@ class OverRos:
     replay_exit: int | None = None
     replay_tail: str = ""
     portable_exit: int | None = None   # the same replay at other torch kernels, judged portable
+    sim_said: str = ""   # the simulation's account at the end: states it stepped unanswered, commands refused
 
     def table(self) -> str:
         lines = [f"  {'resume over ROS':<38} {'success':>9} {'95% interval':>16}"]
@@ -46,6 +47,8 @@ class OverRos:
             n, k = len(self.outcomes[resume]), sum(ok for _, ok in self.outcomes[resume])
             lo, hi = wilson(k, n) if n else (0.0, 0.0)
             lines.append(f"  {label:<38} {k:>4}/{n:<4} [{lo:5.1%}, {hi:5.1%}]")
+        if self.sim_said:
+            lines.append(f"  the simulation, at the end: {self.sim_said}")
         return "\n".join(lines)
 
 
@@ -85,6 +88,7 @@ def _drive(context, result: OverRos, seeds: range) -> None:
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
     from rclpy.parameter_client import AsyncParameterClient
+    from std_srvs.srv import Trigger
 
     from ..bt.route import RouteWorld
 
@@ -100,13 +104,17 @@ def _drive(context, result: OverRos, seeds: range) -> None:
             raise TimeoutError(f"{SIM}'s parameter services did not come up")
         for seed in seeds:
             future = sim_params.set_parameters([Parameter("seed", Parameter.Type.INTEGER, seed)])
-            _wait(future, 10)
+            _wait(future, 10, "parameter")
             for resume in RESUMES:
                 verdict = _episode(client, world, Interrupted.sample(seed), resume)
                 if verdict is None:
                     result.failures.append(f"seed {seed}, {resume}")
                 else:
                     result.outcomes[resume].append((seed, verdict))
+        # A state stepped unanswered is a period the policy never saw: the loop did not keep up.
+        said = world.reset.call_async(Trigger.Request())
+        _wait(said, 10, "reset")
+        result.sim_said = said.result().message
     finally:
         executor.shutdown()
         client.destroy_node()
@@ -144,11 +152,11 @@ def _episode(node, world, episode: Interrupted, resume: str) -> bool | None:
         tree.shutdown()
 
 
-def _wait(future, timeout_s: float) -> None:
+def _wait(future, timeout_s: float, service: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not future.done():
         if time.monotonic() > deadline:
-            raise TimeoutError("no answer from the simulation's parameter service")
+            raise TimeoutError(f"no answer from the simulation's {service} service")
         time.sleep(0.005)
 
 

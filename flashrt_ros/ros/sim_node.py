@@ -21,7 +21,8 @@ parsed (rclpy would build every point as a Python object, holding the executor m
 stamp is not read, so in lockstep it answers nothing.
 
 Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` (of the task
-``task``: the reaching task's, or the waypoint task's route) at rest; ~/jam
+``task``: the reaching task's, or the waypoint task's route) at rest, and says how many states
+were stepped unanswered and commands refused since the node started; ~/jam
 (std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it. Each answers
 success=false with the reason rather than raise.
 
@@ -127,7 +128,10 @@ class SimNode(Node):
 
     def _on_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
         seed = self.get_parameter("seed").value
-        return _answer(response, self._reset, f"episode seed {seed} at rest")
+        # What a driver of many episodes reads to know the loop kept up: a state stepped
+        # unanswered is a control period the policy never saw.
+        return _answer(response, self._reset, f"episode seed {seed} at rest; since the start, {self.unanswered} "
+                                              f"states stepped unanswered and {self.refused} commands refused")
 
     def _on_jam(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
         def jam() -> None:
