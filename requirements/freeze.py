@@ -104,10 +104,14 @@ def read_pins(path: Path) -> dict[str, str]:
 
 
 def write_pins(path: Path, what: str, pins: dict[str, str], marked: dict[str, tuple[str, str]] | None = None) -> None:
-    """``marked``: name -> (version, marker), written with its marker where ``pins`` lacks it."""
+    """``marked``: name -> (version, marker), written with its marker whatever this interpreter
+    installed, so that the lock does not depend on the one that froze it; a version of its own
+    in ``pins`` is an error (the constant is out of date)."""
     lines = {name: f"{name}=={pins[name]}\n" for name in pins}
     for name, (version, marker) in (marked or {}).items():
-        lines.setdefault(name, f"{name}=={version} ; {marker}\n")
+        if pins.get(name, version) != version:
+            raise SystemExit(f"{name}=={pins[name]} installed, MARKED in freeze.py pins {version}: update it")
+        lines[name] = f"{name}=={version} ; {marker}\n"
     path.write_text(HEADER.format(what=what) + "".join(lines[name] for name in sorted(lines)))
     print(f"wrote {path.relative_to(HERE.parent)} ({len(lines)} pins)")
 

@@ -502,28 +502,39 @@ def test_capsule_services_have_their_own_thread_which_destroy_node_stops(ros_con
     assert not services.alive
 
 
-def test_a_process_wide_node_rename_names_the_services_helper_apart():
-    """launch renames a node with process-wide __node/__ns remaps; the helper that serves
-    the capsule services must not take the same name."""
+def test_a_process_wide_node_rename_names_the_side_nodes_apart():
+    """launch renames a node with process-wide __node/__ns remaps; the side nodes that serve
+    the capsule services and the generate action must not take the same name, and keep
+    wall-clock time when the process is given sim time."""
     import rclpy
+    from rclpy.action import ActionClient
     from rclpy.context import Context
     from rclpy.parameter import Parameter
 
+    from flashrt_ros.action import Generate
     from flashrt_ros.ros.node import FlashRTNode
     from ros_harness import SERVICES, spun_client
 
     context = Context()
-    rclpy.init(context=context, args=["--ros-args", "-r", "__node:=brain", "-r", "__ns:=/arm"])
+    rclpy.init(context=context, args=["--ros-args", "-r", "__node:=brain", "-r", "__ns:=/arm",
+                                      "-p", "use_sim_time:=true"])
     node = None
     try:
         node = FlashRTNode(context=context, parameter_overrides=[Parameter("max_seq_len", value=256)])
-        assert node.get_fully_qualified_name() == "/arm/brain"
-        assert node._capsule_services.node.get_fully_qualified_name() == "/arm/brain_capsule_services"
+        assert node.get_fully_qualified_name() == "/arm/brain" and node.get_parameter("use_sim_time").value
+        for side in (node._capsule_services.node, node.goals._side.node):
+            assert side.get_fully_qualified_name() in ("/arm/brain_capsule_services", "/arm/brain_generate")
+            assert side.get_parameter("use_sim_time").value is False
         with spun_client(context) as client:
             restore = client.create_client(SERVICES["restore"], "/arm/brain/restore")
             assert restore.wait_for_service(timeout_sec=10)
             answer = wait_future(restore.call_async(SERVICES["restore"].Request(capsule_id="x")))
             _refused(answer, ErrorCode.NOT_ACTIVE)
+            generate = ActionClient(client, Generate, "/arm/brain/generate")
+            assert generate.wait_for_server(timeout_sec=10)
+            handle = wait_future(generate.send_goal_async(Generate.Goal(prompt="hi", max_new_tokens=2)))
+            result = wait_future(handle.get_result_async()).result
+            assert not result.success and result.error_code == ErrorCode.NOT_ACTIVE
     finally:
         if node is not None:
             node.destroy_node()
@@ -531,22 +542,28 @@ def test_a_process_wide_node_rename_names_the_services_helper_apart():
 
 
 def test_remaps_of_the_nodes_private_service_names_move_the_capsule_services():
-    """``~/restore:=...`` means the node's ``~``: the services' helper node must resolve the
-    names as the node itself does, or such a rule is silently ignored."""
+    """``~/restore:=...`` means the node's ``~``: the side nodes must resolve the names as the
+    node itself does, or such a rule is silently ignored. The generate action's likewise."""
     import rclpy
+    from rclpy.action import get_action_server_names_and_types_by_node
     from rclpy.context import Context
     from rclpy.parameter import Parameter
 
     from flashrt_ros.ros.node import FlashRTNode
 
     context = Context()
-    rclpy.init(context=context, args=["--ros-args", "-r", "~/restore:=/robot/restore"])
+    rclpy.init(context=context, args=["--ros-args", "-r", "~/restore:=/robot/restore",
+                                      "-r", "~/generate:=/robot/generate"])
     node = None
     try:
         node = FlashRTNode(context=context, parameter_overrides=[Parameter("max_seq_len", value=256)])
         names = {name for name, _ in node._capsule_services.node.get_service_names_and_types_by_node(
             node._capsule_services.node.get_name(), node._capsule_services.node.get_namespace())}
         assert {"/robot/restore", "/flashrt/fork"} <= names and "/flashrt/restore" not in names
+        side = node.goals._side.node
+        actions = {name for name, _ in get_action_server_names_and_types_by_node(side, side.get_name(),
+                                                                                 side.get_namespace())}
+        assert actions == {"/robot/generate"}
     finally:
         if node is not None:
             node.destroy_node()

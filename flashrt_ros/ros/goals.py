@@ -7,7 +7,7 @@ goal canceled before its turn commits nothing and answers the position. See docs
 
 The server lives on a side node (``side_node``) whose executor has a thread for each goal that
 may hold one (running, waiting, and one more being refused) and one for the server's own
-requests: a cancel is answered while a goal runs, and a goal never holds up the lifecycle
+requests (goals, cancels, results): a cancel is answered while a goal runs, and a goal never holds up the lifecycle
 node's timers and transitions.
 """
 from __future__ import annotations
@@ -55,6 +55,7 @@ class GoalQueue:
         """Stop taking goals. Safe to call twice (rclpy's action server raises on a second destroy)."""
         server, self._server = self._server, None
         if server is not None:
+            self._side.stop_spinning()   # no request reaches the server while it goes
             server.destroy()
             # A goal still running ends at its next token (the node is inactive by now); it
             # finds its server gone and says so.
@@ -100,7 +101,9 @@ class GoalQueue:
             while not self._running.acquire(timeout=WAIT_POLL_S):
                 if goal_handle.is_cancel_requested:
                     return False
-                if not self._node.context.ok() or not self._node.serving:
+                # Serving first: Kilted's shutdown holds the context lock while it destroys the
+                # node, and context.ok() waits for that lock.
+                if not self._node.serving or not self._node.context.ok():
                     raise NotActive(f"node is {self._node.label}, not active")
             return True
         finally:
@@ -119,7 +122,7 @@ class GoalQueue:
         code, message = outcome(exc)
         # A SIGTERM: the feedback it streamed met a dead context, or (Kilted) the shutdown
         # destroys the node, and with it the action server, under the running goal.
-        stopping = not node.context.ok() or self._server is None
+        stopping = self._server is None or not node.context.ok()   # the server first: as in _wait_for_turn
         if stopping:
             node.get_logger().info(f"generate stopped by shutdown: {message}")
         elif code == ErrorCode.INTERNAL:

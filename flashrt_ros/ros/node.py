@@ -10,8 +10,9 @@ What lives as long as the node: its parameters, the capsule services and the gen
 (``served.Served``: the engine, its session, the journal bag, the policy topics, ~/session,
 the lease timer) is made by configure and destroyed by cleanup.
 
-Threads: the lifecycle node keeps its timers (in a group of their own), the lifecycle and
-parameter services and /clock, and ``flashrt_node`` spins it with a single-threaded executor.
+Threads: the lifecycle node keeps its timers, the lifecycle and parameter services and /clock,
+and ``flashrt_node`` spins it with a single-threaded executor (the timers keep a callback group
+of their own for an application that spins the node with a multi-threaded one).
 The generate action (``goals``), the six capsule services (``services``) and the policy topics
 (``policy_io``) are served by side nodes, each on a thread of its own (``side_node`` says why);
 the engine lock orders them against everything else.

@@ -17,11 +17,13 @@ A side node's names are resolved as its owner's, so ``~/restore`` stays ``/flash
 """
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Callable
 
 from rclpy.executors import Executor, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.parameter import Parameter
 
 from .spinning import spin_until_shutdown
 
@@ -36,8 +38,11 @@ class SideNode:
         name = f"{owner.get_name()}_{suffix}"
         # Launch renames a node with process-wide __node/__ns remaps, which would give this
         # node the owner's name too; its own remaps come first in rcl's lookup.
+        # Wall-clock time, whatever the process was given: a node on sim time subscribes to /clock,
+        # and every tick would wake this executor for nothing it serves.
         self.node = Node(name, namespace=owner.get_namespace(), context=owner.context, start_parameter_services=False,
-                         cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={owner.get_namespace()}"])
+                         cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={owner.get_namespace()}"],
+                         parameter_overrides=[Parameter("use_sim_time", value=False)])
         self._failed = failed
         self._executor: Executor = (SingleThreadedExecutor(context=owner.context) if threads == 1
                                     else MultiThreadedExecutor(num_threads=threads, context=owner.context))
@@ -56,11 +61,18 @@ class SideNode:
         return self._thread.is_alive()
 
     def stop_spinning(self) -> None:
-        """No callback starts after this; one running goes on (rclpy's shutdown does not wait)."""
-        self._executor.shutdown(timeout_sec=0)
+        """The executor takes no new work; what runs (or waits in a multi-threaded executor's
+        pool) may still finish. Returns at once: Kilted's multi-threaded executor would
+        otherwise wait for its threads, and a goal's thread may be waiting for the context
+        lock that a shutdown destroying this node holds."""
+        if "wait_for_threads" in inspect.signature(self._executor.shutdown).parameters:
+            self._executor.shutdown(timeout_sec=0, wait_for_threads=False)
+        else:
+            self._executor.shutdown(timeout_sec=0)
 
     def stop(self, join_s: float) -> None:
-        """Stop spinning, wait up to ``join_s`` for the thread, destroy the node."""
+        """Stop spinning, wait up to ``join_s`` for the spinning thread, destroy the node. A
+        callback still running in a multi-threaded executor's pool is not waited for."""
         self.stop_spinning()
         self._thread.join(join_s)
         self.node.destroy_node()
