@@ -78,7 +78,7 @@ class CapsuleServices:
         self._side.stop_spinning()
         with self._idle:
             self._idle.wait_for(lambda: not self._running, timeout)
-        # Not the full timeout: Kilted's Context.shutdown destroys the nodes it tracks while
-        # holding the context's lock, and this thread, between two waits, is parked on that
-        # lock (``context.ok()``) until the shutdown returns. Parked there it runs nothing.
+        # Not the full timeout: a spinning thread that asked context.ok() just before a Kilted
+        # shutdown took the context's lock waits there until the shutdown returns, and runs
+        # nothing meanwhile (``spinning.spin_until_shutdown``).
         self._side.stop(1.0)

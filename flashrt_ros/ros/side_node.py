@@ -46,6 +46,7 @@ class SideNode:
         self._failed = failed
         self._executor: Executor = (SingleThreadedExecutor(context=owner.context) if threads == 1
                                     else MultiThreadedExecutor(num_threads=threads, context=owner.context))
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._spin, name=suffix.replace("_", "-"), daemon=True)
 
     def start(self) -> None:
@@ -53,7 +54,7 @@ class SideNode:
         self._thread.start()
 
     def _spin(self) -> None:
-        spin_until_shutdown(self._executor, self.node.context, self._failed)
+        spin_until_shutdown(self._executor, self.node.context, self._failed, self._stopped)
 
     @property
     def alive(self) -> bool:
@@ -64,7 +65,9 @@ class SideNode:
         """The executor takes no new work; what runs (or waits in a multi-threaded executor's
         pool) may still finish. Returns at once: Kilted's multi-threaded executor would
         otherwise wait for its threads, and a goal's thread may be waiting for the context
-        lock that a shutdown destroying this node holds."""
+        lock that a shutdown destroying this node holds. The spinning thread ends at its
+        next wake-up, which the executor's shutdown causes (``spin_until_shutdown``)."""
+        self._stopped.set()
         if "wait_for_threads" in inspect.signature(self._executor.shutdown).parameters:
             self._executor.shutdown(timeout_sec=0, wait_for_threads=False)
         else:

@@ -3,6 +3,7 @@ node's program around it."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -14,23 +15,39 @@ from rclpy.executors import Executor, ExternalShutdownException
 from .rclpy_compat import RCLError
 
 
-def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[str], None]) -> None:
-    """Spin until the context shuts down. An exception a callback lets out, which would end
-    ``spin``, is passed to ``failed`` as its traceback, and spinning goes on: that request
-    is lost, the node must not be. A KeyboardInterrupt still ends it."""
+def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[str], None],
+                        stopped: threading.Event | None = None) -> None:
+    """Spin until the context shuts down, or ``stopped`` is set (then shut the executor down,
+    which wakes it). An exception a callback lets out, which would end ``spin``, is passed to
+    ``failed`` as its traceback, and spinning goes on: that request is lost, the node must not
+    be. A KeyboardInterrupt still ends it.
+
+    With ``stopped``, ``stopped`` is asked before the context: Kilted's Context.shutdown holds
+    the context's lock while it destroys the nodes it tracks, and a node that stops this thread
+    from its destroy_node would otherwise find it waiting on that lock (``executor.spin`` asks
+    ``context.ok()`` first) until the shutdown is over."""
+    def spin() -> None:
+        if stopped is None:
+            executor.spin()
+            return
+        while not stopped.is_set() and context.ok():
+            executor.spin_once()
+
     while True:
         try:
-            executor.spin()
+            spin()
             return
         except ExternalShutdownException:
             return
         except RCLError:
             # A shutdown that lands between two waits shows up as an invalid context.
-            if not context.ok():
+            if (stopped is not None and stopped.is_set()) or not context.ok():
                 return
             failed(traceback.format_exc())
         except Exception:
             failed(traceback.format_exc())
+        if stopped is not None and stopped.is_set():
+            return
         time.sleep(0.01)   # never a hot loop, whatever keeps failing
 
 
