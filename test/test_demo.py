@@ -27,6 +27,7 @@ def test_demo_runs_every_step_and_writes_its_pictures(tmp_path):
     assert "retry success over N=20 episodes" in run.stdout and "over ROS, the tree: SUCCESS" in run.stdout
     assert "resume after an urgent request, N=50" in run.stdout and "agent resume on data/spec_tiny" in run.stdout
     assert "(a) full restore, the tree's snapshot" in run.stdout and "flashrt-replay exit 0 (exact), 0" in run.stdout
+    assert "the same routes, never interrupted" in run.stdout
     # How many periods the loop lost is the machine's business; that the demo says it is the test's.
     assert re.search(r"the simulation, at the end: .* \d+ states stepped unanswered", run.stdout)
     for picture in ("timeline.png", "ttft.png", "retry_paths.png", "resume_ablation.png", "agent_resume.png"):

@@ -2,9 +2,10 @@
 (the trained waypoint policy, journaling) in processes of their own, and the tree of
 ``bt.route`` in this one, taking the snapshot when the operator's request arrives.
 
-For each held-out episode, twice: resumed from the tree's snapshot (row (a)), and with no
-restore (row (d)). Each episode draws its route, its interruption period, point and hold as the
-in-process ablation does (``sim.interruption.Interrupted``). The node's journal bag is then
+For each held-out episode, three times: resumed from the tree's snapshot (row (a)), with no
+restore (row (d)), and never interrupted (what the loop over ROS does on its own). Each episode
+draws its route, its interruption period, point and hold as the in-process ablation does
+(``sim.interruption.Interrupted``). The node's journal bag is then
 replayed (flashrt-replay), exact on this machine.
 
     python -m flashrt_ros.demo.resume [--episodes 20] [--out demo_out]   (under make demo's environment)
@@ -27,7 +28,9 @@ from ..sim.waypoints import PERIODS_PER_WAYPOINT
 from .reach import start_pair, stop_processes, wait_for_policy
 
 SIM = "/flashrt_sim"
-RESUMES = {"full": "(a) full restore, the tree's snapshot", "none": "(d) no restore"}
+RESUMES = {"full": "(a) full restore, the tree's snapshot", "none": "(d) no restore",
+           "uninterrupted": "the same routes, never interrupted"}
+NEVER = 10**9   # an operator's period no episode reaches: the uninterrupted row's
 
 
 @dataclass
@@ -129,8 +132,12 @@ def _episode(node, world, episode: Interrupted, resume: str) -> bool | None:
 
     py_trees.blackboard.Blackboard.clear()
     world.new_episode(episode.route)
-    operator = Operator(world, episode.period)
-    root, _, _ = route_episode(node, world, operator, episode.point, episode.hold, resume)
+    # Uninterrupted: the tree of row (a), whose request never comes. What the loop over ROS
+    # does without an interruption, against which rows (a) and (d) are read.
+    uninterrupted = resume == "uninterrupted"
+    operator = Operator(world, NEVER if uninterrupted else episode.period)
+    root, _, _ = route_episode(node, world, operator, episode.point, episode.hold,
+                               "full" if uninterrupted else resume)
     tree = py_trees.trees.BehaviourTree(root)
     tree.setup(timeout=15.0)
     budget_s = 60.0 + 0.5 * PERIODS_PER_WAYPOINT * len(episode.route.waypoints) * 3
@@ -160,7 +167,7 @@ def _wait(future, timeout_s: float, service: str) -> None:
         time.sleep(0.005)
 
 
-def run_scenario(out: Path, episodes: int = 50, ros_episodes: int = 20, contexts: int = 20) -> bool:
+def run_scenario(out: Path, episodes: int = 50, ros_episodes: int = 50, contexts: int = 20) -> bool:
     """make demo, last part: the resume ablation in process (both tables, their pictures), then
     the resume over ROS; whether the journal replayed, exact and portable."""
     from ..bench import agent_resume
