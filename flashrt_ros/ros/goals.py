@@ -7,8 +7,8 @@ goal canceled before its turn commits nothing and answers the position. See docs
 
 The server lives on a side node (``side_node``) whose executor has a thread for each goal that
 may hold one (running, waiting, and one more being refused) and one for the server's own
-requests (goals, cancels, results): a cancel is answered while a goal runs, and a goal never holds up the lifecycle
-node's timers and transitions.
+requests (goals, cancels, results): a cancel is answered while a goal runs, and a goal never
+holds up the lifecycle node's timers and transitions.
 """
 from __future__ import annotations
 

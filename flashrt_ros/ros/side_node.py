@@ -37,9 +37,9 @@ class SideNode:
     def __init__(self, owner: Node, suffix: str, failed: Callable[[str], None], threads: int = 1) -> None:
         name = f"{owner.get_name()}_{suffix}"
         # Launch renames a node with process-wide __node/__ns remaps, which would give this
-        # node the owner's name too; its own remaps come first in rcl's lookup.
-        # Wall-clock time, whatever the process was given: a node on sim time subscribes to /clock,
-        # and every tick would wake this executor for nothing it serves.
+        # node the owner's name too; its own remaps come first in rcl's lookup. Wall-clock
+        # time, whatever the process was given: a node on sim time subscribes to /clock, and
+        # every tick would wake this executor for nothing it serves.
         self.node = Node(name, namespace=owner.get_namespace(), context=owner.context, start_parameter_services=False,
                          cli_args=["--ros-args", "-r", f"__node:={name}", "-r", f"__ns:={owner.get_namespace()}"],
                          parameter_overrides=[Parameter("use_sim_time", value=False)])

@@ -45,9 +45,9 @@ def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[
                 return
             failed(traceback.format_exc())
         except Exception:
+            if stopped is not None and stopped.is_set():
+                return   # the node went while this thread was waking: no callback's fault
             failed(traceback.format_exc())
-        if stopped is not None and stopped.is_set():
-            return
         time.sleep(0.01)   # never a hot loop, whatever keeps failing
 
 
