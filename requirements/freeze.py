@@ -105,12 +105,10 @@ def read_pins(path: Path) -> dict[str, str]:
 
 def write_pins(path: Path, what: str, pins: dict[str, str], marked: dict[str, tuple[str, str]] | None = None) -> None:
     """``marked``: name -> (version, marker), written with its marker whatever this interpreter
-    installed, so that the lock does not depend on the one that froze it; a version of its own
-    in ``pins`` is an error (the constant is out of date)."""
+    installed, so that the lock does not depend on the one that froze it (``main`` checked that
+    an installed one has the marked version)."""
     lines = {name: f"{name}=={pins[name]}\n" for name in pins}
     for name, (version, marker) in (marked or {}).items():
-        if pins.get(name, version) != version:
-            raise SystemExit(f"{name}=={pins[name]} installed, MARKED in freeze.py pins {version}: update it")
         lines[name] = f"{name}=={version} ; {marker}\n"
     path.write_text(HEADER.format(what=what) + "".join(lines[name] for name in sorted(lines)))
     print(f"wrote {path.relative_to(HERE.parent)} ({len(lines)} pins)")
@@ -164,6 +162,12 @@ def main() -> int:
                   file=sys.stderr)
         print("run make setup first", file=sys.stderr)
         return 1
+    stale = {n: v for n, (v, _) in MARKED.items() if pins.get(n, v) != v}
+    if stale:
+        for name, version in sorted(stale.items()):
+            print(f"{name}=={pins[name]} is installed, MARKED in freeze.py pins {version}: update it",
+                  file=sys.stderr)
+        return 1
     ros = {n: v for n, v in pins.items() if n.startswith("ros-")}
     common_now = {n: v for n, v in pins.items() if not n.startswith("ros-")}
 
@@ -181,7 +185,7 @@ def main() -> int:
         print("remove those lines (or align the requirements) and rerun", file=sys.stderr)
         return 1
     common.update(common_now)
-    common.update({n: v for n, (v, _) in MARKED.items() if n not in common})
+    common.update({n: v for n, (v, _) in MARKED.items()})
 
     write_pins(common_path, "Shared by every setup; the ROS wheels are pinned per distro.", common)
     write_pins(HERE / f"constraints-{args.distro}.txt",

@@ -117,8 +117,6 @@ def _client_node(context):
 @contextmanager
 def spun_client(context):
     """A client node spun alone by a single-threaded executor on a thread; torn down on exit."""
-    from rclpy.executors import SingleThreadedExecutor
-
     client = _client_node(context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(client)

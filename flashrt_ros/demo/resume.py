@@ -56,7 +56,7 @@ class OverRos:
 
 
 def run(out: Path, episodes: int = 20, policy: Path = DEFAULT_OUT) -> OverRos:
-    """Both rows over ROS (see the module docstring); the caller sets the ROS domain."""
+    """Every row over ROS (see the module docstring); the caller sets the ROS domain."""
     import rclpy
     from rclpy.context import Context
 

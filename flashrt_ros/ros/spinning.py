@@ -17,8 +17,8 @@ from .rclpy_compat import RCLError
 
 def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[str], None],
                         stopped: threading.Event | None = None) -> None:
-    """Spin until the context shuts down, or ``stopped`` is set (then shut the executor down,
-    which wakes it). An exception a callback lets out, which would end ``spin``, is passed to
+    """Spin until the context or the executor shuts down, or ``stopped`` is set (the caller
+    sets it, then shuts the executor down, which wakes this loop). An exception a callback lets out, which would end ``spin``, is passed to
     ``failed`` as its traceback, and spinning goes on: that request is lost, the node must not
     be. A KeyboardInterrupt still ends it.
 
@@ -30,7 +30,9 @@ def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[
         if stopped is None:
             executor.spin()
             return
-        while not stopped.is_set() and context.ok():
+        # As Executor.spin, the executor's own shutdown ends it too: spin_once returns at once
+        # from a shut-down executor, and the loop would never wait again.
+        while not stopped.is_set() and context.ok() and not getattr(executor, "_is_shutdown", False):
             executor.spin_once()
 
     while True:
