@@ -5,8 +5,8 @@
 For each held-out episode, three times: resumed from the tree's snapshot (row (a)), with no
 restore (row (d)), and never interrupted (what the loop over ROS does on its own). Each episode
 draws its route, its interruption period, point and hold as the in-process ablation does
-(``sim.interruption.Interrupted``). The node's journal bag is then
-replayed (flashrt-replay), exact on this machine.
+(``sim.interruption.Interrupted``). The node's journal bag is then replayed (flashrt-replay),
+exact on this machine.
 
     python -m flashrt_ros.demo.resume [--episodes 20] [--out demo_out]   (under make demo's environment)
 """
