@@ -9,12 +9,22 @@ configure from a lifecycle manager that retries, say): the exception leaves the 
 answer is sent, and the caller waits out its timeout. No public hook exists to answer instead.
 Checked on rclpy 7.1.6 (Jazzy) and 9.1.2 (Kilted); where the attribute is gone, nothing is
 changed and rclpy's own behaviour stands.
+
+``executor_shut_down``: whether an executor's own shutdown was called. ``Executor.spin`` asks
+this (``_is_shutdown``) and no public method does; a loop of ``spin_once`` that does not
+ask it would spin hot once the executor is shut down (``spinning.spin_until_shutdown``).
+Where the attribute is gone it answers False, and the loop ends by its other conditions.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from rclpy._rclpy_pybind11 import RCLError
+
+
+def executor_shut_down(executor: Any) -> bool:
+    """Whether ``executor.shutdown()`` was called."""
+    return bool(getattr(executor, "_is_shutdown", False))
 
 
 def answer_invalid_transitions(node: Any) -> None:

@@ -12,7 +12,7 @@ import rclpy
 from rclpy.context import Context
 from rclpy.executors import Executor, ExternalShutdownException
 
-from .rclpy_compat import RCLError
+from .rclpy_compat import RCLError, executor_shut_down
 
 
 def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[str], None],
@@ -32,7 +32,7 @@ def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[
             return
         # As Executor.spin, the executor's own shutdown ends it too: spin_once returns at once
         # from a shut-down executor, and the loop would never wait again.
-        while not stopped.is_set() and context.ok() and not getattr(executor, "_is_shutdown", False):
+        while not stopped.is_set() and context.ok() and not executor_shut_down(executor):
             executor.spin_once()
 
     while True:
