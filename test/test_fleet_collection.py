@@ -62,7 +62,7 @@ def test_chunks_of_a_dropped_capsule_go_at_the_next_collection_but_shared_ones_s
     time.sleep(GRACE + 0.2)
     assert fleet.drop("first") is True
     done = fleet.collect()
-    shared = 3   # the full 8-row blocks of the first 30 rows
+    shared = 3 * len(a.capsules.layout.rows)   # the full 8-row blocks of the first 30 rows, in each region
     assert done.chunks_deleted == first.chunks - shared and len(chunk_keys(kv_server)) == second.chunks
     b = engine()
     b.restore(tier(kv_server, "b").pull(b.capsules, "second").id)

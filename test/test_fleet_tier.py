@@ -9,8 +9,9 @@ import pytest
 
 from fleet_harness import KEY, OTHER_KEY, chunk_keys, engine, snapshot, tier
 from flashrt_ros.capsule import CapsuleError, diskformat
+from flashrt_ros.capsule import fleet as fleet_module
 from flashrt_ros.capsule.fleet import FleetTier
-from flashrt_ros.capsule.fleet_chunks import chunking_for, wire_chunks
+from flashrt_ros.capsule.fleet_chunks import chunk_bytes, chunking_for, digest, wire_chunks
 from flashrt_ros.errors import ErrorCode
 
 PROMPT = list(range(3, 33))
@@ -73,8 +74,8 @@ def test_capsules_of_one_lineage_share_their_full_row_blocks_on_the_server(kv_se
     a.prefill(list(range(40, 52)))
     second = fleet.publish(a.capsules, snapshot(a).id)
     rows = chunking_for(a.capsules.layout, 8, 16384).rows
-    shared_blocks = len(PROMPT) // rows
-    assert rows == 8 and shared_blocks == 3
+    shared_blocks = len(PROMPT) // rows * len(a.capsules.layout.rows)   # full blocks of each per-token region
+    assert rows == 8 and len(PROMPT) // rows == 3
     assert second.chunks_sent == second.chunks - shared_blocks
     assert len(chunk_keys(kv_server)) == first.chunks + second.chunks - shared_blocks
     # Publishing a capsule again sends nothing.
@@ -183,7 +184,40 @@ def test_the_manifest_names_every_chunk_of_the_cut_in_order(kv_server):
     taken = snapshot(a)
     published = tier(kv_server, "a").publish(a.capsules, taken.id)
     spans = wire_chunks(a.capsules.layout, taken.position, chunking_for(a.capsules.layout, 8, 16384))
-    assert published.chunks == len(spans) and published.nbytes == sum(e - s for c in spans for s, e in c)
+    assert published.chunks == len(spans) and published.nbytes == sum(e - s for s, e in spans)
+
+
+def _names(e, capsule_id, chunking):
+    info, _, data = e.capsules.export(capsule_id)
+    return tuple(digest(chunk_bytes(data.numpy(), span)) for span in wire_chunks(e.capsules.layout, info.position,
+                                                                                 chunking))
+
+
+def test_a_prepared_store_names_each_capsules_chunks_with_its_digest_and_a_publish_hashes_nothing(
+        kv_server, tmp_path, monkeypatch):
+    a, b = engine(capsule_dir=tmp_path), engine()
+    fleet = tier(kv_server, "a")
+    chunking = fleet.chunking(a.capsules.layout)
+    a.prefill(PROMPT)
+    before = snapshot(a)                                    # made before: hashed whole, its chunks not named
+    fleet.prepare(a.capsules)
+    taken, on_disk = snapshot(a, "named"), snapshot(a, tier="disk")
+    forked = a.capsules.get(a.fork("named", "forked").id)
+    assert a.capsules.chunk_names(before.id, chunking) is None
+    for info in (taken, on_disk, forked):
+        assert a.capsules.chunk_names(info.id, chunking) == _names(a, info.id, chunking)
+    assert a.capsules.chunk_names(taken.id, chunking._replace(rows=4)) is None   # another cut: not these names
+    assert a.capsules.chunk_names("0123456789abcdef", chunking) is None
+
+    def no_hashing(value):
+        raise AssertionError("a publish of a prepared store's capsule hashed a chunk")
+
+    monkeypatch.setattr(fleet_module, "digest", no_hashing)
+    fleet.publish(a.capsules, taken.id)
+    b.restore(tier(kv_server, "b").pull(b.capsules, "named").id)
+    assert b.state_digest() == taken.digest
+    a.capsules.name_chunks(None)
+    assert a.capsules.chunk_names(snapshot(a).id, chunking) is None
 
 
 def test_the_default_chunking_serves_an_engine_shorter_than_a_row_block(kv_server):
@@ -191,7 +225,8 @@ def test_the_default_chunking_serves_an_engine_shorter_than_a_row_block(kv_serve
     a.prefill(PROMPT)
     taken = snapshot(a, "default")
     fleet = FleetTier(kv_server.url, KEY, node="a")   # 256-row blocks, 4 MiB chunks; the engine has 64 rows
-    assert fleet.publish(a.capsules, taken.id).chunks == 2   # the fixed block, and one partial row block
+    # The fixed block, and one partial row block of each per-token region.
+    assert fleet.publish(a.capsules, taken.id).chunks == 1 + len(a.capsules.layout.rows)
     b.restore(FleetTier(kv_server.url, KEY, node="b").pull(b.capsules, "default").id)
     assert b.state_digest() == taken.digest
 

@@ -11,7 +11,8 @@ import torch
 
 from fleet_harness import KEY, OTHER_KEY, engine, snapshot
 from flashrt_ros.capsule import CapsuleError, Layout, signing
-from flashrt_ros.capsule.fleet_chunks import Chunking, chunk_bytes, chunking_for, digest, place, wire_chunks
+from flashrt_ros.capsule.fleet_chunks import (Chunking, arena_chunks, chunk_bytes, chunk_digests, chunking_for, digest,
+                                              place, wire_chunks)
 from flashrt_ros.capsule.fleet_manifest import decode, encode
 from flashrt_ros.errors import ErrorCode
 from flashrt_ros.runtime.arena import Region
@@ -19,19 +20,43 @@ from flashrt_ros.runtime.arena import Region
 
 def _covered_once(layout: Layout, position: int, chunking: Chunking) -> None:
     chunks = wire_chunks(layout, position, chunking)
-    seen = np.zeros(layout.ranges_bytes(position), dtype=np.int64)
-    for spans in chunks:
-        assert 0 < sum(e - s for s, e in spans) <= chunking.most_bytes
-        for s, e in spans:
-            seen[s:e] += 1
-    assert (seen == 1).all()
+    assert all(0 < e - s <= chunking.most_bytes for s, e in chunks)
+    # In order, end to end, they are the capsule's data: each chunk starts where the last ended.
+    assert [s for s, _ in chunks] == [0] + [e for _, e in chunks[:-1]]
+    assert chunks[-1][1] == layout.ranges_bytes(position)
 
 
 @pytest.mark.parametrize("rows, most", [(8, 16384), (1, 4096), (256, 1 << 22), (3, 4096)])
-def test_the_cut_covers_every_byte_of_a_capsule_once_within_the_chunk_size(rows, most):
+def test_the_cut_tiles_a_capsules_data_in_order_within_the_chunk_size(rows, most):
     layout = engine().capsules.layout
     for position in (0, 1, 7, 8, 9, 30, 64):
         _covered_once(layout, position, chunking_for(layout, rows, most))
+
+
+def test_each_chunk_is_one_regions_rows_and_lies_in_the_arena_where_its_bytes_come_from():
+    e = engine()
+    e.prefill(list(range(1, 30)))
+    info, _, data = e.capsules.export(snapshot(e).id)
+    layout, chunking = e.capsules.layout, Chunking(8, 4096)
+    arena = e.arena.buffer.numpy()
+    wire, spans = wire_chunks(layout, 29, chunking), arena_chunks(layout, 29, chunking)
+    assert len(wire) == len(spans)
+    for (s, e_), (a, b) in zip(wire, spans):
+        assert (data.numpy()[s:e_] == arena[a:b]).all()
+    # Past the fixed block, every region is cut into blocks of 8 rows: 29 rows are 4 blocks each.
+    fixed = len(wire_chunks(layout, 0, chunking))
+    assert len(wire) == fixed + 4 * len(layout.rows)
+
+
+def test_one_pass_names_every_chunk_and_gives_the_capsule_digest():
+    e = engine()
+    e.prefill(list(range(1, 30)))
+    taken = snapshot(e)
+    info, _, data = e.capsules.export(taken.id)
+    layout, chunking = e.capsules.layout, Chunking(8, 4096)
+    whole, names = chunk_digests(layout, 29, chunking, lambda s, e_: e.arena.buffer.numpy()[s:e_])
+    assert whole == taken.digest
+    assert list(names) == [digest(chunk_bytes(data.numpy(), span)) for span in wire_chunks(layout, 29, chunking)]
 
 
 def test_a_row_larger_than_a_chunk_is_cut_within_the_row():
@@ -54,13 +79,15 @@ def test_capsules_of_one_lineage_cut_their_common_full_blocks_into_the_same_chun
 
     def digests(exported):
         info, _, data = exported
-        return [digest(chunk_bytes(data.numpy(), spans)) for spans in wire_chunks(layout, info.position, chunking)]
+        return [digest(chunk_bytes(data.numpy(), span)) for span in wire_chunks(layout, info.position, chunking)]
 
     one, two = digests(first), digests(second)
     fixed = len(wire_chunks(layout, 0, chunking))
-    assert one[fixed:fixed + 2] == two[fixed:fixed + 2]            # rows [0, 16): both hold them whole
-    assert one[fixed + 2] != two[fixed + 2]                        # rows [16, 20) against [16, 24)
     assert not set(one[:fixed]) & set(two[:fixed])                 # the recurrent state moved on
+    for region in range(len(layout.rows)):                          # 20 rows: 3 blocks; 27 rows: 4
+        a, b = one[fixed + 3 * region:][:3], two[fixed + 4 * region:][:4]
+        assert a[:2] == b[:2]                                       # rows [0, 16): both hold them whole
+        assert a[2] != b[2]                                         # rows [16, 20) against [16, 24)
 
 
 def test_chunks_placed_back_make_the_capsules_data_again():
@@ -69,8 +96,8 @@ def test_chunks_placed_back_make_the_capsules_data_again():
     info, _, data = e.capsules.export(snapshot(e).id)
     array = data.numpy()
     out = np.zeros_like(array)
-    for spans in wire_chunks(e.capsules.layout, info.position, Chunking(8, 4096)):
-        place(out, spans, bytes(chunk_bytes(array, spans)))
+    for span in wire_chunks(e.capsules.layout, info.position, Chunking(8, 4096)):
+        place(out, span, bytes(chunk_bytes(array, span)))
     assert (out == array).all()
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..capsule.fleet import FleetTier
-from ..capsule.fleet_chunks import chunk_bytes, chunking_for, wire_chunks
+from ..capsule.fleet_chunks import chunk_bytes, wire_chunks
 from ..runtime import Engine, ModelConfig
 from .common import bench_main, interleaved, machine, positive_int, verdict
 from .kv_server import KeyValueServer, server_binary
@@ -103,6 +103,7 @@ class _Bench:
         self.raw = self.fleet.config.connect()
         self.a = Engine.from_config(cfg, max_seq_len=length)
         self.b = Engine.from_config(cfg, max_seq_len=length)
+        self.fleet.prepare(self.a.capsules)   # as a node does: chunks named with each snapshot's digest
 
     def wipe(self) -> None:
         for k in self.raw.scan_iter(match=f"{self.prefix}:*", count=1000):
@@ -115,11 +116,10 @@ class _Bench:
         _prefill(a, tokens)
         capsule = a.capsules.get(a.snapshot(tier="host").id)
         info, _, data = a.capsules.export(capsule.id)
-        spans = wire_chunks(a.capsules.layout, tokens, chunking_for(a.capsules.layout, fleet.config.chunk_rows,
-                                                                      fleet.config.chunk_bytes))
+        spans = wire_chunks(a.capsules.layout, tokens, fleet.chunking(a.capsules.layout))
         values = [bytes(chunk_bytes(data.numpy(), s)) for s in spans]
         raw_keys = [f"{prefix}:raw:{i}" for i in range(len(values))]
-        batch = fleet.config.batch_bytes
+        batch, pull_batch = fleet.config.batch_bytes, fleet.pull_batch_bytes(info.nbytes)
 
         def ready() -> None:   # what a publish or a raw SET emptied, back before a timing that reads it
             if raw.exists(raw_keys[-1]) == 0:
@@ -136,7 +136,7 @@ class _Bench:
         def raw_get() -> float:
             ready()
             start = time.perf_counter()
-            _pipelined(raw, [("get", k, len(v)) for k, v in zip(raw_keys, values)], batch)
+            _pipelined(raw, [("get", k, len(v)) for k, v in zip(raw_keys, values)], pull_batch)
             return time.perf_counter() - start
 
         def publish() -> float:
@@ -156,7 +156,7 @@ class _Bench:
         fns = {"publish": publish, "raw_set": raw_set, "pull": pull, "raw_get": raw_get}
         together = None
         if pullers:
-            together = _Together(self.url, self.key, prefix, self.cfg, self.length, capsule.id, raw_keys, batch, ready)
+            together = _Together(self.url, self.key, prefix, self.cfg, self.length, capsule.id, raw_keys, pull_batch, ready)
             fns |= {"pullers": together.pulls, "raw_gets": together.gets}
         try:
             times = interleaved(fns, rounds)

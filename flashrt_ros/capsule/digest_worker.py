@@ -2,9 +2,10 @@
 
 The worker knows nothing of the store. It is handed jobs, each the pieces of one capsule
 at a position; it hashes those bytes (``hashed``: a pure function of them), lets go of the
-pieces, and posts (job, digest, history hash). The store takes what was posted
-(``take_posted``) under its own lock, and only then does a digest reach a capsule: so a
-record changes under the store's lock alone.
+pieces, and posts (job, hashes). The store takes what was posted (``take_posted``) under its
+own lock, and only then does a digest reach a capsule: so a record changes under the store's
+lock alone. A job that carries a fleet chunking also names the capsule's chunks as the fleet
+tier cuts it, in the same pass over its bytes, so that a publish sends at once.
 
 ``submit`` does not wake the worker. A woken worker at once competes for the interpreter
 lock with the thread that just took the snapshot, in the middle of its latency-critical call
@@ -22,9 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..digest import history_digest, state_digest
+from .fleet_chunks import Chunking, chunk_digests
 from .layout import Layout
 from .pieces import Piece, read_pieces
 
@@ -34,24 +36,42 @@ POLL_S = 1.0   # an idle worker looks at its queue once a second: a bound on a d
 
 
 class DigestJob:
-    """The bytes of capsule ``capsule_id`` to hash: ``pieces``, a capsule at ``position``."""
+    """The bytes of capsule ``capsule_id`` to hash: ``pieces``, a capsule at ``position``;
+    with ``chunking``, its fleet chunks' names too."""
 
-    __slots__ = ("capsule_id", "position", "pieces")
+    __slots__ = ("capsule_id", "position", "pieces", "chunking")
 
-    def __init__(self, capsule_id: str, position: int, pieces: Sequence[Piece]) -> None:
-        self.capsule_id, self.position, self.pieces = capsule_id, position, pieces
+    def __init__(self, capsule_id: str, position: int, pieces: Sequence[Piece],
+                 chunking: Chunking | None = None) -> None:
+        self.capsule_id, self.position, self.pieces, self.chunking = capsule_id, position, pieces, chunking
 
 
-def hashed(layout: Layout, job: DigestJob) -> tuple[str, str]:
-    """(digest, history hash) of the job's bytes; ("", "") if they cannot be read, which leaves
-    the capsule without a digest rather than the caller without an answer."""
+class Hashes(NamedTuple):
+    """What a job's bytes hash to: the capsule digest and history hash ("" both if they could
+    not be read), and the names of its fleet chunks (``chunking`` None: none asked)."""
+
+    digest: str
+    history: str
+    chunking: Chunking | None = None
+    chunks: tuple[str, ...] = ()
+
+
+FAILED = Hashes("", "")
+
+
+def hashed(layout: Layout, job: DigestJob) -> Hashes:
+    """The job's hashes; ``FAILED`` if its bytes cannot be read, which leaves the capsule
+    without a digest rather than the caller without an answer."""
     read = lambda start, end: read_pieces(job.pieces, start, end)  # noqa: E731
     try:
-        return (state_digest(layout.ranges(job.position), read),
-                history_digest(layout.regions, job.position, read))
+        history = history_digest(layout.regions, job.position, read)
+        if job.chunking is None:
+            return Hashes(state_digest(layout.ranges(job.position), read), history)
+        digest, chunks = chunk_digests(layout, job.position, job.chunking, read)
+        return Hashes(digest, history, job.chunking, chunks)
     except Exception:
         log.exception("digest of capsule %s failed", job.capsule_id)
-        return "", ""
+        return FAILED
 
 
 class DigestWorker:
@@ -63,7 +83,7 @@ class DigestWorker:
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[DigestJob] = deque()
         self._running: DigestJob | None = None
-        self._posted: deque[tuple[DigestJob, str, str]] = deque()
+        self._posted: deque[tuple[DigestJob, Hashes]] = deque()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="capsule-digest", daemon=True)
         self._thread.start()
@@ -88,18 +108,17 @@ class DigestWorker:
             with self._cond:
                 self._cond.notify()
 
-    def result(self, job: DigestJob) -> tuple[str, str]:
-        """(digest, history hash) of a job not taken yet, now: hashed in this thread if the
-        worker has not started it, else its posted result; ("", "") if the worker was stopped
-        before it."""
+    def result(self, job: DigestJob) -> Hashes:
+        """The hashes of a job not taken yet, now: hashed in this thread if the worker has not
+        started it, else its posted result; ``FAILED`` if the worker was stopped before it."""
         with self._cond:
             if not self._unqueue(job):
                 self._cond.wait_for(lambda: self._running is not job)
-                for i, (posted, digest, history) in enumerate(self._posted):
+                for i, (posted, hashes) in enumerate(self._posted):
                     if posted is job:
                         del self._posted[i]
-                        return digest, history
-                return "", ""
+                        return hashes
+                return FAILED
         return hashed(self._layout, job)
 
     def cancel(self, job: DigestJob) -> None:
@@ -116,7 +135,7 @@ class DigestWorker:
             return False
         return True
 
-    def take_posted(self) -> list[tuple[DigestJob, str, str]]:
+    def take_posted(self) -> list[tuple[DigestJob, Hashes]]:
         """The results posted since the last take, in the order they were computed."""
         with self._cond:
             posted = list(self._posted)
@@ -150,5 +169,5 @@ class DigestWorker:
             with self._cond:
                 self._running = None
                 if not self._stopped:
-                    self._posted.append((job, *result))
+                    self._posted.append((job, result))
                 self._cond.notify_all()

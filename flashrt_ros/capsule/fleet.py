@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -38,16 +39,18 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import redis
 import torch
 
-from ..digest import history_digest, state_digest
+from ..digest import history_digest, state_hasher
 from ..errors import shown
+from ..hugepages import populate
 from . import fleet_manifest, signing
 from .disk_capsules import range_reader
 from .errors import (BudgetExceeded, CapsuleError, CapsuleIOError, CorruptCapsule, FleetUnavailable,
                      IncompleteCapsule, InvalidCapsuleRequest, UnknownCapsule)
-from .fleet_chunks import Span, chunk_bytes, chunking_for, digest, length, place, wire_chunks
+from .fleet_chunks import Chunking, Span, chunk_bytes, chunking_for, digest, length, place, wire_chunks
 from .fleet_config import FleetConfig, FleetKeys
 from .fleet_scripts import Scripts, outcome
 from .info import CapsuleInfo, check_name, check_tier, is_capsule_id
+from .layout import Layout
 from .store import CapsuleStore
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ log = logging.getLogger(__name__)
 # A publish whose chunks vanish between its touch and its commit (evicted under maxmemory, or
 # collected after a publish slower than the grace) touches and sends again, this many times.
 PUBLISH_ATTEMPTS = 3
+# A pull cuts its chunks into at least this many batches (``FleetTier.pull_batch_bytes``).
+PULL_BATCHES = 4
 _COLLECT_BATCH = 256   # chunks per collecting script: each is atomic, so it blocks the server briefly
 _SCAN_COUNT = 500
 
@@ -243,9 +248,11 @@ class FleetTier:
         # digest the manifest carries, so a capsule damaged in this store is refused, not restored.
         if not info.digest:
             raise CorruptCapsule(f"capsule {info.id} has no digest (its hash failed); not published")
-        chunking = chunking_for(layout, self.config.chunk_rows, self.config.chunk_bytes)
-        values = [chunk_bytes(data.numpy(), spans) for spans in wire_chunks(layout, info.position, chunking)]
-        digests = [digest(v) for v in values]
+        chunking = self.chunking(layout)
+        values = [chunk_bytes(data.numpy(), span) for span in wire_chunks(layout, info.position, chunking)]
+        # Named with the capsule's digest where the store was asked to (``prepare``), else here.
+        named = store.chunk_names(info.id, chunking)
+        digests = list(named) if named is not None else [digest(v) for v in values]
         manifest = fleet_manifest.encode(info, log_runs, layout, chunking, digests, self._key)
         try:
             sent, sent_bytes = self._commit(info.id, manifest, name, lease, digests, dict(zip(digests, values)),
@@ -258,6 +265,15 @@ class FleetTier:
             self._held.add(info.id)
         whole = info._replace(tier="fleet", name=name or "", pinned=False, nbytes=layout.ranges_bytes(info.position))
         return Published(whole, len(digests), whole.nbytes, sent, sent_bytes, time.monotonic() - started)
+
+    def chunking(self, layout: Layout) -> Chunking:
+        """How this tier cuts a capsule of ``layout`` (``fleet_chunks``)."""
+        return chunking_for(layout, self.config.chunk_rows, self.config.chunk_bytes)
+
+    def prepare(self, store: CapsuleStore) -> None:
+        """Have ``store`` name each capsule's chunks as this tier cuts them when it hashes the
+        capsule's digest, off the snapshot path, so that a publish of it hashes nothing."""
+        store.name_chunks(self.chunking(store.layout))
 
     def check_publish(self, name: str | None, ttl_s: float | None) -> None:
         """InvalidCapsuleRequest now for a name or a lease a publish would refuse: a caller
@@ -369,12 +385,11 @@ class FleetTier:
             # This process's memory, not the client's buffers (4 KiB pages: a huge page's first
             # fault may stall on compaction, and this is a request's path; see hugepages).
             data = torch.empty(info.nbytes, dtype=torch.uint8)
-            received = self._fetch(manifest, data.numpy(), deadline)
-            ranges = store.layout.ranges(info.position)
-            read = range_reader(ranges, data)
+            received, arrived = self._fetch(manifest, data.numpy(), deadline)
+            read = range_reader(store.layout.ranges(info.position), data)
             # One hash of the whole checks every chunk: the signed manifest carries the digest.
             # Only a capsule refused is hashed chunk by chunk, to name what is wrong.
-            if state_digest(ranges, read, every_core=True) != info.digest:
+            if arrived != info.digest:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: {_first_altered(manifest, data.numpy())}")
             if history_digest(store.layout.regions, info.position, read) != info.history_hash:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: does not match its history hash")
@@ -394,35 +409,53 @@ class FleetTier:
         self._count(pulled=1, bytes_received=fetched.received)
         return pulled
 
-    def _fetch(self, manifest: fleet_manifest.Manifest, out: Any, deadline: _Deadline) -> int:
-        """Every chunk of the manifest into ``out``, checked against its length (``fetch`` checks
-        the bytes, all at once): bytes received."""
-        where: dict[str, list[list[Span]]] = {}
-        for d, spans in zip(manifest.digests, manifest.spans):
-            where.setdefault(d, []).append(spans)
+    def _fetch(self, manifest: fleet_manifest.Manifest, out: Any, deadline: _Deadline) -> tuple[int, str]:
+        """Every chunk of the manifest into ``out``, checked against its length, and the
+        capsule digest of what arrived: (bytes received, digest). The bytes are hashed in
+        order on a thread of their own while the next batch is on its way: the part of ``out``
+        that each batch completes (chunks arrive in the order of their first use, so every
+        batch completes the data up to its last chunk's end) is handed over as it is."""
+        where: dict[str, list[Span]] = {}
+        for d, span in zip(manifest.digests, manifest.spans):
+            where.setdefault(d, []).append(span)
         first = {d: i for i, d in reversed(list(enumerate(manifest.digests)))}
-        received = 0
+        received = hashed = 0
         capsule_id = manifest.info.id
-        for batch in _batches(list(where), lambda d: length(where[d][0]), self.config.batch_bytes):
-            deadline.check()
-            with self._talking("pull"):
-                pipe = self._client.pipeline(transaction=False)
-                for d in batch:
-                    pipe.get(self.keys.chunk(d))
-                values = pipe.execute()
-            for d, value in zip(batch, values):
-                index = first[d]
-                if value is None:
-                    raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone from the "
-                                            "server (evicted or collected); publish the capsule again")
-                expected = length(where[d][0])
-                if len(value) != expected:
-                    raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match its "
-                                         f"digest ({len(value)} bytes, {expected} expected)")
-                for spans in where[d]:
-                    place(out, spans, value)
-                received += len(value)
-        return received
+        whole = state_hasher(every_core=True)   # a pull waits for it
+        with ThreadPoolExecutor(1, thread_name_prefix="fleet-pull-hash") as hasher:
+            # ``out`` is fresh memory: its pages are mapped while the first batch is on its way.
+            pending = [hasher.submit(populate, torch.from_numpy(out))]
+            for batch in _batches(list(where), lambda d: length(where[d][0]), self.pull_batch_bytes(manifest.info.nbytes)):
+                deadline.check()
+                with self._talking("pull"):
+                    pipe = self._client.pipeline(transaction=False)
+                    for d in batch:
+                        pipe.get(self.keys.chunk(d))
+                    values = pipe.execute()
+                for d, value in zip(batch, values):
+                    index = first[d]
+                    if value is None:
+                        raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone from "
+                                                "the server (evicted or collected); publish the capsule again")
+                    expected = length(where[d][0])
+                    if len(value) != expected:
+                        raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match "
+                                             f"its digest ({len(value)} bytes, {expected} expected)")
+                    for span in where[d]:
+                        place(out, span, value)
+                    received += len(value)
+                done = manifest.spans[first[batch[-1]]][1]
+                pending.append(hasher.submit(whole.update, memoryview(out[hashed:done])))
+                hashed = done
+            for update in pending:
+                update.result()
+        return received, whole.hexdigest()
+
+    def pull_batch_bytes(self, nbytes: int) -> int:
+        """The bytes of one batch of a pull of an ``nbytes`` capsule: at most ``batch_bytes``,
+        and few enough that hashing what one batch brought overlaps the next (``PULL_BATCHES``
+        batches or more), down to a chunk's size."""
+        return max(self.config.chunk_bytes, min(self.config.batch_bytes, -(-nbytes // PULL_BATCHES)))
 
     # ---- references ------------------------------------------------------------------------------
     def hold(self, ref: str, ttl_s: float | None = None) -> None:
@@ -574,8 +607,8 @@ class FleetTier:
 def _first_altered(manifest: fleet_manifest.Manifest, data: Any) -> str:
     """Why a capsule whose chunks are in place as ``data`` fails its digest: the first chunk
     that does not match its name, or none (then the publisher's own bytes were damaged)."""
-    for index, (d, spans) in enumerate(zip(manifest.digests, manifest.spans)):
-        if digest(chunk_bytes(data, spans)) != d:
+    for index, (d, span) in enumerate(zip(manifest.digests, manifest.spans)):
+        if digest(chunk_bytes(data, span)) != d:
             return f"chunk {index} ({d[:16]}) does not match its digest"
     return "its chunks verify, but the capsule they make does not match its digest"
 

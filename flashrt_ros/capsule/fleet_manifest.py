@@ -32,7 +32,7 @@ from .info import CapsuleInfo, is_capsule_id
 from .layout import Layout
 
 FORMAT = "flashrt-fleet-capsule"
-VERSION = 1
+VERSION = 2   # a reader refuses any other: the cut (``fleet_chunks``) is part of the format
 _HEX = frozenset("0123456789abcdef")
 _CHARS_PER_CHUNK = 96   # one ["<64 hex>", <length>] entry, with room to spare
 
@@ -44,7 +44,7 @@ class Manifest(NamedTuple):
     log: tuple
     chunking: Chunking
     digests: tuple[str, ...]
-    spans: list[list[Span]]
+    spans: list[Span]
 
 
 def encode(info: CapsuleInfo, log_runs: tuple, layout: Layout, chunking: Chunking,
@@ -66,7 +66,7 @@ def encode(info: CapsuleInfo, log_runs: tuple, layout: Layout, chunking: Chunkin
 
 def most_bytes(layout: Layout) -> int:
     """A bound on a manifest for ``layout``: its header, and an entry per chunk of the finest cut."""
-    chunks = layout.nbytes // MIN_CHUNK_BYTES + layout.max_position + 2
+    chunks = layout.nbytes // MIN_CHUNK_BYTES + layout.max_position * len(layout.rows) + 2
     return most_header_chars(layout) + 256 + _CHARS_PER_CHUNK * chunks
 
 
@@ -129,7 +129,7 @@ def _chunking(value: object, where: str) -> Chunking:
     return Chunking(value["rows"], value["bytes"])
 
 
-def _chunk_list(value: object, spans: list[list[Span]], where: str) -> tuple[str, ...]:
+def _chunk_list(value: object, spans: list[Span], where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) != len(spans):
         raise CorruptCapsule(f"{where}: the manifest lists {len(value) if isinstance(value, list) else 'no'} "
                              f"chunks, its capsule is cut into {len(spans)}")

@@ -28,7 +28,7 @@ class Piece(NamedTuple):
 class Record:
     """A capsule inside the store: its info, where its bytes are, and its boundary log."""
 
-    __slots__ = ("info", "pieces", "log", "last_used", "path", "file_info", "job")
+    __slots__ = ("info", "pieces", "log", "last_used", "path", "file_info", "job", "wire")
 
     def __init__(self, info: CapsuleInfo, pieces: list[Piece], log_runs: tuple, path: Path | None = None) -> None:
         self.info, self.pieces, self.log, self.path = info, pieces, log_runs, path
@@ -37,6 +37,9 @@ class Record:
         self.file_info = info if path is not None else None
         self.last_used = time.monotonic()
         self.job = None   # the digest job pending (``digest_worker``); None: the digest is final
+        # (chunking, its fleet chunks' names) hashed with the digest, or None: bytes never
+        # change, so they stay true on every tier and for every fork.
+        self.wire = None
 
     def pieces_in(self, start: int, end: int) -> list[Piece]:
         return cut(self.pieces, start, end)

@@ -36,7 +36,8 @@ import torch
 from ..digest import history_digest, state_digest
 from ..errors import shown
 from . import diskformat
-from .digest_worker import DigestJob, DigestWorker
+from .digest_worker import DigestJob, DigestWorker, Hashes
+from .fleet_chunks import Chunking, chunk_digests
 from .disk_capsules import CapsuleFolder, range_reader
 from .errors import BudgetExceeded, CapsuleIOError, CorruptCapsule, InvalidCapsuleRequest, UnknownCapsule
 from .info import TIERS, CapsuleInfo, check_budgets, check_compatible, check_name, check_tier
@@ -85,6 +86,7 @@ class CapsuleStore:
         self._folder = (CapsuleFolder(self.dir, layout, self.log_kinds, model_fingerprint, key)
                         if self.dir is not None else None)
         self.digests = DigestWorker(layout)
+        self._chunking: Chunking | None = None   # fleet chunks named beside each digest (``name_chunks``)
         # A store dropped unclosed stops its worker, which lets go of the jobs it holds.
         weakref.finalize(self, self.digests.stop)
         if self._folder is not None:
@@ -112,6 +114,24 @@ class CapsuleStore:
         """Let the digest worker start on the capsules queued so far: the caller is about to
         run a long step, during which hashing costs its calls least (``digest_worker``)."""
         self.digests.wake()
+
+    def name_chunks(self, chunking: Chunking | None) -> None:
+        """From now on, hash each capsule made here also chunk by chunk as ``chunking`` cuts it
+        for the fleet tier (None: no more), in the same pass as its digest, off the snapshot
+        path: a publish of it then sends at once (``chunk_names``)."""
+        with self._lock:
+            self._chunking = chunking
+
+    def chunk_names(self, ref: str | CapsuleInfo, chunking: Chunking) -> tuple[str, ...] | None:
+        """The names of the capsule's fleet chunks as ``chunking`` cuts it, if they were hashed
+        with its digest; None if not (or if the store no longer holds it)."""
+        with self._lock:
+            try:
+                record = self.resolve(ref)
+            except UnknownCapsule:
+                return None
+            self._finish(record)
+            return record.wire[1] if record.wire is not None and record.wire[0] == chunking else None
 
     def list(self, tier: str | None = None) -> list[CapsuleInfo]:
         """Every capsule, or those of one tier (None or "" lists all)."""
@@ -276,6 +296,7 @@ class CapsuleStore:
                                             digest=source.info.digest if final else "",
                                             history_hash=source.info.history_hash if final else "")
                 record = self._register(pieces, info, source.log)
+                record.wire = source.wire if final else None
             except BaseException:   # a Ctrl-C included: a fork that failed keeps no host bytes
                 if record is None and chunk is not None:
                     self._free(chunk)
@@ -456,26 +477,28 @@ class CapsuleStore:
 
     # ---- digests ---------------------------------------------------------------------------------
     def _submit(self, record: Record) -> None:
-        record.job = DigestJob(record.info.id, record.info.position, list(record.pieces))
+        record.job = DigestJob(record.info.id, record.info.position, list(record.pieces), self._chunking)
         self.digests.submit(record.job)
 
     def _collect(self) -> None:
         """The digests the worker posted, onto the capsules still waiting for them."""
         if self.digests.posted:
-            for job, digest, history in self.digests.take_posted():
+            for job, hashes in self.digests.take_posted():
                 record = self._records.get(job.capsule_id)
                 if record is not None and record.job is job:   # else the capsule left, and its job with it
-                    self._settle(record, digest, history)
+                    self._settle(record, hashes)
 
     def _finish(self, record: Record) -> None:
         """The record's digest final now (hashed here, or waited for: one hash at most)."""
         if record.job is not None:
-            self._settle(record, *self.digests.result(record.job))
+            self._settle(record, self.digests.result(record.job))
 
-    def _settle(self, record: Record, digest: str, history: str) -> None:
+    def _settle(self, record: Record, hashes: Hashes) -> None:
         record.job = None
-        if digest:   # "": the hash failed (logged); the capsule stays, with no digest to verify
-            record.info = record.info._replace(digest=digest, history_hash=history)
+        if hashes.digest:   # "": the hash failed (logged); the capsule stays, with no digest to verify
+            record.info = record.info._replace(digest=hashes.digest, history_hash=hashes.history)
+            if hashes.chunking is not None:
+                record.wire = (hashes.chunking, hashes.chunks)
             self._events.append(("digest", record.info))
 
     # ---- bytes and tiers -------------------------------------------------------------------------
@@ -651,11 +674,17 @@ class CapsuleStore:
     def _add_disk(self, plan: SnapshotPlan) -> Record:
         plan.chunk.wait()
         read = range_reader(plan.ranges, plan.chunk.data)
-        info = plan.info._replace(id=secrets.token_hex(8), created=time.time(),
-                                  digest=state_digest(self.layout.ranges(plan.info.position), read),
-                                  history_hash=history_digest(self.layout.regions, plan.info.position, read))
+        position, wire = plan.info.position, None
+        if self._chunking is None:
+            digest = state_digest(self.layout.ranges(position), read)
+        else:
+            digest, names = chunk_digests(self.layout, position, self._chunking, read)
+            wire = (self._chunking, names)
+        info = plan.info._replace(id=secrets.token_hex(8), created=time.time(), digest=digest,
+                                  history_hash=history_digest(self.layout.regions, position, read))
         path = self._write_disk(info, plan.ranges, plan.chunk.data, plan.log)
         record = Record(info, [], plan.log, path)
+        record.wire = wire
         self._records[info.id] = record
         return record
 

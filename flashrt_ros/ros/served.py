@@ -51,6 +51,8 @@ class Served:
         except BaseException:
             self.engine.close()
             raise
+        if self.fleet is not None:   # each snapshot's chunks named with its digest: a publish sends at once
+            self.fleet.prepare(self.engine.capsules)
         self.session = Session(self.engine, fleet=self.fleet)
         self.fleet_watch = FleetWatch(self.fleet) if self.fleet is not None else None
         self.bag: Recorder | None = None
