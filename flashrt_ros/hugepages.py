@@ -10,6 +10,7 @@ fault may stall while the kernel compacts memory.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -17,7 +18,7 @@ import torch
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23   # Linux 5.14+; older kernels answer EINVAL, and the pages fault as they are written
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE   # 4 KiB, or 16/64 KiB on some ARM kernels: madvise wants it aligned
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -33,13 +34,14 @@ def empty_huge(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: 
     return t
 
 
-def populate(t: torch.Tensor) -> None:
+def populate(t: torch.Tensor) -> bool:
     """Map a fresh CPU buffer's pages now, in one call, rather than one fault per page as it
     is first written: a caller that fills a buffer on a request's path does this on a thread
-    that would otherwise wait (a pull, while its first batch is on its way). Nothing on other
-    devices or systems; failure only costs speed."""
+    that would otherwise wait (a pull, while its first batch is on its way). True if the
+    kernel mapped them; False elsewhere (another device or system, an older kernel), where
+    the pages fault as they are written: failure only costs speed."""
     if _libc is None or t.device.type != "cpu" or t.numel() == 0:
-        return
+        return False
     start = t.data_ptr() & ~(_PAGE - 1)
     end = t.data_ptr() + t.numel() * t.element_size()
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE)
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE) == 0

@@ -130,8 +130,8 @@ def test_a_missing_chunk_is_refused_with_incomplete_capsule_and_nothing_is_resto
 
 
 @pytest.mark.parametrize("change", ["same length", "shorter"])
-def test_an_altered_chunk_is_refused_with_corrupt_capsule(kv_server, change):
-    _, b, taken = _published(kv_server)
+def test_an_altered_chunk_is_refused_with_corrupt_capsule_and_removed_so_that_a_publish_repairs_it(kv_server, change):
+    a, b, taken = _published(kv_server)
     key = _chunk_of(kv_server, taken.id, 2)
     client = kv_server.client()
     value = client.get(key)
@@ -139,7 +139,12 @@ def test_an_altered_chunk_is_refused_with_corrupt_capsule(kv_server, change):
     live, listed = b.state_digest(), b.capsules.list()
     error = _refused(ErrorCode.CORRUPT_CAPSULE, tier(kv_server, "b").pull, b.capsules, "task")
     assert "chunk 2" in str(error) and "does not match its digest" in str(error)
+    assert "removed from the server" in str(error) and client.exists(key) == 0
     _untouched(b, live, listed)
+    # A publisher that holds the good bytes finds the chunk missing, and sends it alone.
+    assert tier(kv_server, "a").publish(a.capsules, taken.id).chunks_sent == 1
+    b.restore(tier(kv_server, "b").pull(b.capsules, "task").id)
+    assert b.state_digest() == taken.digest
 
 
 def test_chunks_evicted_under_maxmemory_are_refused_never_restored(kv_server):
@@ -191,6 +196,30 @@ def test_a_capsule_damaged_in_the_publishers_memory_is_published_but_refused_by_
     # chunks match their names and only the whole fails.
     assert ("its chunks verify" not in str(error)) == prepared and "does not match its digest" in str(error)
     _untouched(b, live, listed)
+
+
+def test_a_damaged_publisher_does_not_keep_a_good_capsule_that_shares_its_chunk_from_restoring(kv_server):
+    """Named with the digest, damaged bytes go out under a good name; a good capsule sharing
+    the block finds it there and does not send it. Its first reader removes it; the next
+    publish repairs it."""
+    a, c, b = engine(), engine(), engine()
+    damaged, good = tier(kv_server, "a"), tier(kv_server, "c")
+    damaged.prepare(a.capsules)
+    good.prepare(c.capsules)
+    a.prefill(PROMPT)
+    c.prefill(PROMPT)
+    broken, kept = snapshot(a, "damaged", tier="host"), snapshot(c, "good", tier="host")
+    piece = a.capsules.resolve(broken.id).pieces[-1]
+    piece.chunk.data[piece.offset] ^= 0xFF   # the first row of the last region: a full block both share
+    damaged.publish(a.capsules, broken.id)
+    assert good.publish(c.capsules, kept.id).chunks_sent == 0
+    live, listed = b.state_digest(), b.capsules.list()
+    error = _refused(ErrorCode.CORRUPT_CAPSULE, tier(kv_server, "b").pull, b.capsules, "good")
+    assert "removed from the server" in str(error)
+    _untouched(b, live, listed)
+    assert good.publish(c.capsules, kept.id).chunks_sent == 1
+    b.restore(tier(kv_server, "b").pull(b.capsules, "good").id)
+    assert b.state_digest() == kept.digest
 
 
 def test_a_capsule_of_another_model_or_layout_is_refused_with_fingerprint_mismatch(kv_server):

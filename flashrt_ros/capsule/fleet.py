@@ -390,7 +390,7 @@ class FleetTier:
             # One hash of the whole checks every chunk: the signed manifest carries the digest.
             # Only a capsule refused is hashed chunk by chunk, to name what is wrong.
             if arrived != info.digest:
-                raise CorruptCapsule(f"fleet capsule {capsule_id}: {_first_altered(manifest, data.numpy())}")
+                raise CorruptCapsule(f"fleet capsule {capsule_id}: {self._altered(manifest, data.numpy())}")
             if history_digest(store.layout.regions, info.position, read) != info.history_hash:
                 raise CorruptCapsule(f"fleet capsule {capsule_id}: does not match its history hash")
         except CapsuleError:
@@ -412,9 +412,10 @@ class FleetTier:
     def _fetch(self, manifest: fleet_manifest.Manifest, out: Any, deadline: _Deadline) -> tuple[int, str]:
         """Every chunk of the manifest into ``out``, checked against its length, and the
         capsule digest of what arrived: (bytes received, digest). The bytes are hashed in
-        order on a thread of their own while the next batch is on its way: the part of ``out``
-        that each batch completes (chunks arrive in the order of their first use, so every
-        batch completes the data up to its last chunk's end) is handed over as it is."""
+        order on a thread of their own while the next batch is on its way. Chunks are fetched
+        once each, in the order of their first use, so a batch completes the data up to its
+        last chunk's first use (a repeat further on is placed, but what lies before it may
+        not be yet); the rest is hashed once every batch is in."""
         where: dict[str, list[Span]] = {}
         for d, span in zip(manifest.digests, manifest.spans):
             where.setdefault(d, []).append(span)
@@ -425,28 +426,36 @@ class FleetTier:
         with ThreadPoolExecutor(1, thread_name_prefix="fleet-pull-hash") as hasher:
             # ``out`` is fresh memory: its pages are mapped while the first batch is on its way.
             pending = [hasher.submit(populate, torch.from_numpy(out))]
-            for batch in _batches(list(where), lambda d: length(where[d][0]), self.pull_batch_bytes(manifest.info.nbytes)):
-                deadline.check()
-                with self._talking("pull"):
-                    pipe = self._client.pipeline(transaction=False)
-                    for d in batch:
-                        pipe.get(self.keys.chunk(d))
-                    values = pipe.execute()
-                for d, value in zip(batch, values):
-                    index = first[d]
-                    if value is None:
-                        raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone from "
-                                                "the server (evicted or collected); publish the capsule again")
-                    expected = length(where[d][0])
-                    if len(value) != expected:
-                        raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match "
-                                             f"its digest ({len(value)} bytes, {expected} expected)")
-                    for span in where[d]:
-                        place(out, span, value)
-                    received += len(value)
-                done = manifest.spans[first[batch[-1]]][1]
-                pending.append(hasher.submit(whole.update, memoryview(out[hashed:done])))
-                hashed = done
+            try:
+                for batch in _batches(list(where), lambda d: length(where[d][0]),
+                                      self.pull_batch_bytes(manifest.info.nbytes)):
+                    deadline.check()
+                    with self._talking("pull"):
+                        pipe = self._client.pipeline(transaction=False)
+                        for d in batch:
+                            pipe.get(self.keys.chunk(d))
+                        values = pipe.execute()
+                    for d, value in zip(batch, values):
+                        index = first[d]
+                        if value is None:
+                            raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone "
+                                                    "from the server (evicted or collected); publish the capsule again")
+                        expected = length(where[d][0])
+                        if len(value) != expected:
+                            raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not "
+                                                 f"match its digest ({len(value)} bytes, {expected} expected)"
+                                                 + self._removal(self._remove_altered(d)))
+                        for span in where[d]:
+                            place(out, span, value)
+                        received += len(value)
+                    done = manifest.spans[first[batch[-1]]][1]
+                    pending.append(hasher.submit(whole.update, memoryview(out[hashed:done])))
+                    hashed = done
+            except BaseException:
+                for update in pending:   # refused: what is queued is not hashed (a running one ends first)
+                    update.cancel()
+                raise
+            pending.append(hasher.submit(whole.update, memoryview(out[hashed:])))
             for update in pending:
                 update.result()
         return received, whole.hexdigest()
@@ -456,6 +465,45 @@ class FleetTier:
         and few enough that hashing what one batch brought overlaps the next (``PULL_BATCHES``
         batches or more), down to a chunk's size."""
         return max(self.config.chunk_bytes, min(self.config.batch_bytes, -(-nbytes // PULL_BATCHES)))
+
+    def _altered(self, manifest: fleet_manifest.Manifest, data: Any) -> str:
+        """Why a capsule whose chunks are in place as ``data`` fails its digest: the first chunk
+        that does not match its name, or none (then the publisher's own bytes were damaged).
+        Every chunk that does not match its name is removed from the server: no manifest can
+        need bytes other than those its name hashes, and while they stay, every capsule that
+        shares the chunk is refused and its publishers find the chunk there and do not send it."""
+        altered = [(index, d) for index, (d, span) in enumerate(zip(manifest.digests, manifest.spans))
+                   if digest(chunk_bytes(data, span)) != d]
+        if not altered:
+            return "its chunks verify, but the capsule they make does not match its digest"
+        removed = [self._remove_altered(d) for d in dict.fromkeys(d for _, d in altered)]
+        index, d = altered[0]
+        return f"chunk {index} ({d[:16]}) does not match its digest" + self._removal(all(removed))
+
+    @staticmethod
+    def _removal(removed: bool) -> str:
+        return ("; removed from the server, so that the next publish of a capsule that holds it sends it again"
+                if removed else "; it could not be removed from the server (see the log)")
+
+    def _remove_altered(self, d: str) -> bool:
+        """Delete chunk ``d`` if the server still holds bytes that do not hash to its name (a
+        publisher may have set good ones meanwhile: WATCH makes the delete fail then). True if
+        it is gone or good now; False if the server refused (an ACL that allows no delete)."""
+        key = self.keys.chunk(d)
+        try:
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.watch(key)
+                value = pipe.get(key)
+                if value is not None and digest(value) != d:
+                    pipe.multi()
+                    pipe.delete(key)
+                    pipe.execute()
+            return True
+        except redis.exceptions.WatchError:   # written meanwhile: the next reader checks it again
+            return True
+        except redis.exceptions.RedisError as exc:
+            log.warning("fleet chunk %s does not match its name and could not be removed: %s", d[:16], exc)
+            return False
 
     # ---- references ------------------------------------------------------------------------------
     def hold(self, ref: str, ttl_s: float | None = None) -> None:
@@ -602,15 +650,6 @@ class FleetTier:
         if isinstance(exc, redis.exceptions.OutOfMemoryError) or "maxmemory" in text:
             return BudgetExceeded(f"{where}: the server is out of memory (maxmemory) and refused the write ({text})")
         return CapsuleIOError(f"{where}: the server answered an error ({text})")
-
-
-def _first_altered(manifest: fleet_manifest.Manifest, data: Any) -> str:
-    """Why a capsule whose chunks are in place as ``data`` fails its digest: the first chunk
-    that does not match its name, or none (then the publisher's own bytes were damaged)."""
-    for index, (d, span) in enumerate(zip(manifest.digests, manifest.spans)):
-        if digest(chunk_bytes(data, span)) != d:
-            return f"chunk {index} ({d[:16]}) does not match its digest"
-    return "its chunks verify, but the capsule they make does not match its digest"
 
 
 def _lease_ms(ttl_s: float | None) -> str:

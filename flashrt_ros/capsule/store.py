@@ -37,7 +37,7 @@ from ..digest import history_digest, state_digest
 from ..errors import shown
 from . import diskformat
 from .digest_worker import DigestJob, DigestWorker, Hashes
-from .fleet_chunks import Chunking, chunk_digests
+from .fleet_chunks import Chunking
 from .disk_capsules import CapsuleFolder, range_reader
 from .errors import BudgetExceeded, CapsuleIOError, CorruptCapsule, InvalidCapsuleRequest, UnknownCapsule
 from .info import TIERS, CapsuleInfo, check_budgets, check_compatible, check_name, check_tier
@@ -116,9 +116,10 @@ class CapsuleStore:
         self.digests.wake()
 
     def name_chunks(self, chunking: Chunking | None) -> None:
-        """From now on, hash each capsule made here also chunk by chunk as ``chunking`` cuts it
-        for the fleet tier (None: no more), in the same pass as its digest, off the snapshot
-        path: a publish of it then sends at once (``chunk_names``)."""
+        """From now on, hash each capsule made here in memory also chunk by chunk as
+        ``chunking`` cuts it for the fleet tier (None: no more), in the same pass as its digest,
+        off the snapshot path: a publish of it then sends at once (``chunk_names``). A disk
+        snapshot, hashed on its own path, is not: a publish reads and verifies its file anyway."""
         with self._lock:
             self._chunking = chunking
 
@@ -674,17 +675,11 @@ class CapsuleStore:
     def _add_disk(self, plan: SnapshotPlan) -> Record:
         plan.chunk.wait()
         read = range_reader(plan.ranges, plan.chunk.data)
-        position, wire = plan.info.position, None
-        if self._chunking is None:
-            digest = state_digest(self.layout.ranges(position), read)
-        else:
-            digest, names = chunk_digests(self.layout, position, self._chunking, read)
-            wire = (self._chunking, names)
-        info = plan.info._replace(id=secrets.token_hex(8), created=time.time(), digest=digest,
-                                  history_hash=history_digest(self.layout.regions, position, read))
+        info = plan.info._replace(id=secrets.token_hex(8), created=time.time(),
+                                  digest=state_digest(self.layout.ranges(plan.info.position), read),
+                                  history_hash=history_digest(self.layout.regions, plan.info.position, read))
         path = self._write_disk(info, plan.ranges, plan.chunk.data, plan.log)
         record = Record(info, [], plan.log, path)
-        record.wire = wire
         self._records[info.id] = record
         return record
 
