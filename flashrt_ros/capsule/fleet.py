@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -162,6 +162,9 @@ class FleetTier:
         self._stats = FleetStats()
         self._stats_lock = threading.Lock()
         self._held: set[str] = set()   # ids this client took a reference on (publish, hold), until dropped
+        # One thread hashes what pulls receive, in the order handed over: a pull's own parts stay
+        # in order, and a pull starts no thread (made at the first pull, ended by ``close``).
+        self._hasher: ThreadPoolExecutor | None = None
 
     # ---- queries ---------------------------------------------------------------------------------
     def ping(self) -> float:
@@ -178,8 +181,18 @@ class FleetTier:
             return replace(self._stats)
 
     def close(self) -> None:
-        """Close the connections (a later call opens new ones)."""
+        """Close the connections and end the hashing thread (a later call opens new ones)."""
         self._client.close()
+        with self._stats_lock:
+            hasher, self._hasher = self._hasher, None
+        if hasher is not None:
+            hasher.shutdown(wait=True)
+
+    def _hashing(self) -> ThreadPoolExecutor:
+        with self._stats_lock:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="fleet-pull-hash")
+            return self._hasher
 
     def resolve(self, ref: str) -> str:
         """The capsule id ``ref`` names on the server: an id as it is, a name through its
@@ -423,41 +436,50 @@ class FleetTier:
         received = hashed = 0
         capsule_id = manifest.info.id
         whole = state_hasher(every_core=True)   # a pull waits for it
-        with ThreadPoolExecutor(1, thread_name_prefix="fleet-pull-hash") as hasher:
-            # ``out`` is fresh memory: its pages are mapped while the first batch is on its way.
-            pending = [hasher.submit(populate, torch.from_numpy(out))]
+        hasher = self._hashing()
+        pending: list[Future] = []
+
+        def later(fn: Callable[..., Any], *args: Any) -> None:
             try:
-                for batch in _batches(list(where), lambda d: length(where[d][0]),
-                                      self.pull_batch_bytes(manifest.info.nbytes)):
-                    deadline.check()
-                    with self._talking("pull"):
-                        pipe = self._client.pipeline(transaction=False)
-                        for d in batch:
-                            pipe.get(self.keys.chunk(d))
-                        values = pipe.execute()
-                    for d, value in zip(batch, values):
-                        index = first[d]
-                        if value is None:
-                            raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone "
-                                                    "from the server (evicted or collected); publish the capsule again")
-                        expected = length(where[d][0])
-                        if len(value) != expected:
-                            raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not "
-                                                 f"match its digest ({len(value)} bytes, {expected} expected)"
-                                                 + self._removal(self._remove_altered(d)))
-                        for span in where[d]:
-                            place(out, span, value)
-                        received += len(value)
-                    done = manifest.spans[first[batch[-1]]][1]
-                    pending.append(hasher.submit(whole.update, memoryview(out[hashed:done])))
-                    hashed = done
-            except BaseException:
-                for update in pending:   # refused: what is queued is not hashed (a running one ends first)
-                    update.cancel()
-                raise
-            pending.append(hasher.submit(whole.update, memoryview(out[hashed:])))
-            for update in pending:
-                update.result()
+                pending.append(hasher.submit(fn, *args))
+            except RuntimeError:   # shut down: ``close`` ran meanwhile
+                raise FleetUnavailable(f"fleet tier: closed while pulling capsule {capsule_id}") from None
+
+        try:
+            # ``out`` is fresh memory: its pages are mapped while the first batch is on its way.
+            later(populate, torch.from_numpy(out))
+            for batch in _batches(list(where), lambda d: length(where[d][0]),
+                                  self.pull_batch_bytes(manifest.info.nbytes)):
+                deadline.check()
+                with self._talking("pull"):
+                    pipe = self._client.pipeline(transaction=False)
+                    for d in batch:
+                        pipe.get(self.keys.chunk(d))
+                    values = pipe.execute()
+                for d, value in zip(batch, values):
+                    index = first[d]
+                    if value is None:
+                        raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone from "
+                                                "the server (evicted or collected); publish the capsule again")
+                    expected = length(where[d][0])
+                    if len(value) != expected:
+                        raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match "
+                                             f"its digest ({len(value)} bytes, {expected} expected)"
+                                             + self._removal(self._remove_altered(d)))
+                    for span in where[d]:
+                        place(out, span, value)
+                    received += len(value)
+                done = manifest.spans[first[batch[-1]]][1]
+                later(whole.update, memoryview(out[hashed:done]))
+                hashed = done
+            later(whole.update, memoryview(out[hashed:]))
+        except BaseException:
+            for part in pending:   # refused: what is queued is not run; what runs ends before ``out`` is let go
+                part.cancel()
+            wait(pending)
+            raise
+        for part in pending:
+            part.result()
         return received, whole.hexdigest()
 
     def pull_batch_bytes(self, nbytes: int) -> int:
