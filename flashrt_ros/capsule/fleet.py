@@ -12,8 +12,9 @@ What is on the server, and why it is safe while other nodes publish, pull and co
 signed manifest), ``fleet_scripts`` (the atomic steps and their invariants); docs/fleet.md.
 
 Publish: the capsule's bytes are read out of the store (``CapsuleStore.export``: a view of
-its immutable host bytes, or a copy) and cut into chunks named by their digests (not checked
-against the capsule digest here: every reader checks them); its chunks are touched (marked
+its immutable host bytes, or a copy) and cut into chunks named by their digests (named when
+the store hashed the capsule, where ``prepare`` asked it to, else here; not checked against
+the capsule digest here: every reader checks them); its chunks are touched (marked
 in use now), the missing ones sent with SET NX in pipelined batches, and the manifest written
 last by a script that writes it only if every chunk is there and freshly touched. A publish
 that dies half-way leaves chunks no manifest names, which expire or are collected; never a
@@ -21,10 +22,11 @@ manifest without its chunks.
 
 Pull: the manifest is read and checked (signature, fingerprints, every header field, the
 cut), the chunks fetched in pipelined batches into memory this process allocates, each
-checked against its length, then the whole against the capsule digest and history hash (a
-chunk altered fails the capsule digest, and is then found and named); only then does the
-store take the bytes (``CapsuleStore.adopt``). Anything missing or altered is
-refused whole.
+checked against its length and hashed in order as the batches come, then the whole against
+the capsule digest and history hash (a chunk altered fails the capsule digest, and is then
+found, named, and removed from the server, where it would keep every capsule that shares it
+from restoring); only then does the store take the bytes (``CapsuleStore.adopt``). Anything
+missing or altered is refused whole.
 """
 from __future__ import annotations
 
