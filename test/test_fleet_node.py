@@ -40,6 +40,11 @@ def test_diagnostics_and_events_follow_the_server(ros_context, kv_server, tmp_pa
         _until(lambda: any(s.level == DiagnosticStatus.OK for s in _fleet_entries(diagnostics)),
                what="a reachable fleet tier on /diagnostics")
         assert wait_future(h.generate(prompt="shared context", max_new_tokens=1)[1]).result.success
+        # A node with a fleet tier names each capsule's chunks with its digest: a publish sends at once.
+        local = h.call("snapshot", name="here", tier="host")
+        served = h.node.served
+        assert served.engine.capsules.chunk_names(local.capsule.id,
+                                                  served.fleet.chunking(served.engine.capsules.layout)) is not None
         published = h.call("snapshot", name="ctx", tier="fleet")
         assert published.success and published.capsule.tier == "fleet", published.message
         _until(lambda: any(int(v.value) > 0 for s in _fleet_entries(diagnostics[-3:]) for v in s.values

@@ -37,9 +37,9 @@ from ..digest import history_digest, state_digest
 from ..errors import shown
 from . import diskformat
 from .digest_worker import DigestJob, DigestWorker, Hashes
-from .fleet_chunks import Chunking
 from .disk_capsules import CapsuleFolder, range_reader
 from .errors import BudgetExceeded, CapsuleIOError, CorruptCapsule, InvalidCapsuleRequest, UnknownCapsule
+from .fleet_chunks import Chunking
 from .info import TIERS, CapsuleInfo, check_budgets, check_compatible, check_name, check_tier
 from .layout import Layout
 from .memory import Chunk, DevicePool, host_chunk
