@@ -7,6 +7,7 @@ is a view of the arena it is bound to, so capsules see all of it.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,10 @@ class _Block:
     delta: DeltaStep | None = None        # linear, CPU backend: the mixer in one C call (prefill too)
 
 
+_STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``_Cast.t``)
+_STRIPE_BYTES = 2 << 20   # one stripe of the stored matrix: its transpose stays in a core's cache
+
+
 class _Cast:
     """Weights onto the device, in the compute dtype."""
 
@@ -84,10 +89,25 @@ class _Cast:
     def t(self, *parts: torch.Tensor) -> torch.Tensor:
         """Fuse [out, in] matrices along out and store the result as [in, out]. Transposed in the
         stored dtype first and cast after, each copy one that torch runs at memory speed (a
-        transposing copy that also converts runs element by element)."""
+        transposing copy that also converts runs element by element). Torch's transpose of a
+        contiguous matrix is one thread's blocked loop, so a large one on a CPU is cut into
+        stripes of rows, transposed and cast on ``torch.get_num_threads()`` threads, each into
+        its own columns of the result (the same copies, the same bytes)."""
         whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
         out = empty_huge((whole.shape[1], whole.shape[0]), self.dtype, self.device)
-        return out.copy_(whole.t() if whole.dtype == self.dtype else whole.t().contiguous())
+        if whole.dtype == self.dtype:
+            return out.copy_(whole.t())
+        threads = torch.get_num_threads()
+        if self.device.type != "cpu" or threads < 2 or whole.numel() < _STRIPED:
+            return out.copy_(whole.t().contiguous())
+        rows = max(1, _STRIPE_BYTES // (whole.shape[1] * whole.element_size()))
+
+        def stripe(first: int) -> None:
+            out[:, first:first + rows].copy_(whole[first:first + rows].t().contiguous())
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(stripe, range(0, whole.shape[0], rows)))
+        return out
 
     def proj(self, *parts: torch.Tensor) -> Projection:
         return Projection(self.t(*parts))
