@@ -475,13 +475,13 @@ class FleetTier:
                 later(whole.update, memoryview(out[hashed:done]))
                 hashed = done
             later(whole.update, memoryview(out[hashed:]))
+            for part in pending:
+                part.result()
         except BaseException:
             for part in pending:   # refused: what is queued is not run; what runs ends before ``out`` is let go
                 part.cancel()
             wait(pending)
             raise
-        for part in pending:
-            part.result()
         return received, whole.hexdigest()
 
     def pull_batch_bytes(self, nbytes: int) -> int:

@@ -74,7 +74,7 @@ class _Block:
 
 
 _STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``_Cast.t``)
-_STRIPE_BYTES = 2 << 20   # one stripe of the stored matrix: its transpose stays in a core's cache
+_STRIPE_BYTES = 2 << 20   # one stripe of the stored matrix: enough stripes to keep every thread busy
 
 
 class _Cast:
@@ -91,8 +91,9 @@ class _Cast:
         stored dtype first and cast after, each copy one that torch runs at memory speed (a
         transposing copy that also converts runs element by element). Torch's transpose of a
         contiguous matrix is one thread's blocked loop, so a large one on a CPU is cut into
-        stripes of rows, transposed and cast on ``torch.get_num_threads()`` threads, each into
-        its own columns of the result (the same copies, the same bytes)."""
+        stripes of rows transposed on ``torch.get_num_threads()`` threads, while this thread
+        casts each transposed stripe into its columns of the result with torch's own threads
+        (the same copies, the same bytes; one team of torch threads at a time)."""
         whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
         out = empty_huge((whole.shape[1], whole.shape[0]), self.dtype, self.device)
         if whole.dtype == self.dtype:
@@ -101,14 +102,12 @@ class _Cast:
         if self.device.type != "cpu" or threads < 2 or whole.numel() < _STRIPED:
             return out.copy_(whole.t().contiguous())
         rows = max(1, _STRIPE_BYTES // (whole.shape[1] * whole.element_size()))
-
-        def stripe(first: int) -> None:
-            out[:, first:first + rows].copy_(whole[first:first + rows].t().contiguous())
-
+        firsts = range(0, whole.shape[0], rows)
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(stripe, range(0, whole.shape[0], rows)))
+            stripes = pool.map(lambda first: whole[first:first + rows].t().contiguous(), firsts)
+            for first, stripe in zip(firsts, stripes):
+                out[:, first:first + rows].copy_(stripe)
         return out
-
     def proj(self, *parts: torch.Tensor) -> Projection:
         return Projection(self.t(*parts))
 
