@@ -7,7 +7,6 @@ is a view of the arena it is bound to, so capsules see all of it.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +18,9 @@ from ..attention import Span, attend_one, write_and_attend
 from ..backends.cpu import row_product
 from ..backends.cpu.delta_step import DeltaStep
 from ..config import FULL, LINEAR, ModelConfig
-from ...hugepages import empty_huge
 from ..layers import apply_rope, gated_rms_norm, rms_norm, rope_tables
 from ..projection import Projection
+from .cast import Cast
 from .moe import SparseMoE, SwiGLU
 
 
@@ -73,49 +72,7 @@ class _Block:
     delta: DeltaStep | None = None        # linear, CPU backend: the mixer in one C call (prefill too)
 
 
-_STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``_Cast.t``)
-_STRIPE_BYTES = 2 << 20   # one stripe of the stored matrix: enough stripes to keep every thread busy
-
-
-class _Cast:
-    """Weights onto the device, in the compute dtype."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
-
-    def t(self, *parts: torch.Tensor) -> torch.Tensor:
-        """Fuse [out, in] matrices along out and store the result as [in, out]. Transposed in the
-        stored dtype first and cast after, each copy one that torch runs at memory speed (a
-        transposing copy that also converts runs element by element). Torch's transpose of a
-        contiguous matrix is one thread's blocked loop, so a large one on a CPU is cut into
-        stripes of rows transposed on ``torch.get_num_threads()`` threads, while this thread
-        casts each transposed stripe into its columns of the result with torch's own threads
-        (the same copies, the same bytes; one team of torch threads at a time)."""
-        whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
-        out = empty_huge((whole.shape[1], whole.shape[0]), self.dtype, self.device)
-        if whole.dtype == self.dtype:
-            return out.copy_(whole.t())
-        threads = torch.get_num_threads()
-        if self.device.type != "cpu" or threads < 2 or whole.numel() < _STRIPED:
-            return out.copy_(whole.t().contiguous())
-        rows = max(1, _STRIPE_BYTES // (whole.shape[1] * whole.element_size()))
-        firsts = range(0, whole.shape[0], rows)
-        with ThreadPoolExecutor(threads) as pool:
-            stripes = pool.map(lambda first: whole[first:first + rows].t().contiguous(), firsts)
-            for first, stripe in zip(firsts, stripes):
-                out[:, first:first + rows].copy_(stripe)
-        return out
-    def proj(self, *parts: torch.Tensor) -> Projection:
-        return Projection(self.t(*parts))
-
-    def one_plus(self, w: torch.Tensor) -> torch.Tensor:
-        return (1.0 + w.detach().float()).to(self.device)
-
-
-def _mlp(w: dict[str, torch.Tensor], p: str, cfg: ModelConfig, cast: _Cast) -> SwiGLU | SparseMoE:
+def _mlp(w: dict[str, torch.Tensor], p: str, cfg: ModelConfig, cast: Cast) -> SwiGLU | SparseMoE:
     """The FFN under ``p`` (``...mlp.``): dense, or a sparse MoE block (experts as [in, out])."""
     def swiglu(q: str) -> SwiGLU:
         gate_up = cast.proj(w[f"{q}gate_proj.weight"], w[f"{q}up_proj.weight"])
@@ -131,7 +88,7 @@ def _mlp(w: dict[str, torch.Tensor], p: str, cfg: ModelConfig, cast: _Cast) -> S
                      cast(w[f"{p}experts.down_proj"].transpose(1, 2)), cfg.num_experts_per_tok, shared)
 
 
-def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: _Cast, cfg: ModelConfig) -> _Block:
+def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: Cast, cfg: ModelConfig) -> _Block:
     common = dict(ln_in=cast.one_plus(w[f"{prefix}input_layernorm.weight"]),
                   ln_post=cast.one_plus(w[f"{prefix}post_attention_layernorm.weight"]),
                   mlp=_mlp(w, f"{prefix}mlp.", cfg, cast))
@@ -175,7 +132,7 @@ class Qwen35:
         (``SparseMoE.gathered``, what a CUDA graph captures); prefill always groups rows by expert."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.cpu_kernels, self.fixed_shapes = cpu_kernels, fixed_shapes
-        cast = _Cast(device, dtype)
+        cast = Cast(device, dtype)
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         self.lm_head = cast.proj(head)   # [in, out], as every projection (see _Block)
         # Tied: the table is the head's own memory, read by column (a lookup gathers one row per

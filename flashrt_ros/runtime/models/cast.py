@@ -1,0 +1,52 @@
+"""Checkpoint weights onto the device, in the compute dtype and the runtime's layout: every
+projection [in, out], fused along out."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ...hugepages import empty_huge
+from ..projection import Projection
+
+_STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``Cast.t``)
+_STRIPE_BYTES = 2 << 20   # one stripe of the stored matrix: enough stripes to keep every thread busy
+
+
+class Cast:
+    """Weights onto the device, in the compute dtype."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
+
+    def t(self, *parts: torch.Tensor) -> torch.Tensor:
+        """Fuse [out, in] matrices along out and store the result as [in, out]. Transposed in the
+        stored dtype first and cast after, each copy one that torch runs at memory speed (a
+        transposing copy that also converts runs element by element). Torch's transpose of a
+        contiguous matrix is one thread's blocked loop, so a large one on a CPU is cut into
+        stripes of rows transposed on ``torch.get_num_threads()`` threads, while this thread
+        casts each transposed stripe into its columns of the result with torch's own threads
+        (the same copies, the same bytes; one team of torch threads at a time)."""
+        whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
+        out = empty_huge((whole.shape[1], whole.shape[0]), self.dtype, self.device)
+        if whole.dtype == self.dtype:
+            return out.copy_(whole.t())
+        threads = torch.get_num_threads()
+        if self.device.type != "cpu" or threads < 2 or whole.numel() < _STRIPED:
+            return out.copy_(whole.t().contiguous())
+        rows = max(1, _STRIPE_BYTES // (whole.shape[1] * whole.element_size()))
+        firsts = range(0, whole.shape[0], rows)
+        with ThreadPoolExecutor(threads) as pool:
+            stripes = pool.map(lambda first: whole[first:first + rows].t().contiguous(), firsts)
+            for first, stripe in zip(firsts, stripes):
+                out[:, first:first + rows].copy_(stripe)
+        return out
+
+    def proj(self, *parts: torch.Tensor) -> Projection:
+        return Projection(self.t(*parts))
+
+    def one_plus(self, w: torch.Tensor) -> torch.Tensor:
+        return (1.0 + w.detach().float()).to(self.device)
