@@ -106,8 +106,7 @@ def _drive(context, result: OverRos, seeds: range) -> None:
         if not sim_params.wait_for_services(timeout_sec=60):
             raise TimeoutError(f"{SIM}'s parameter services did not come up")
         for seed in seeds:
-            future = sim_params.set_parameters([Parameter("seed", Parameter.Type.INTEGER, seed)])
-            _wait(future, 10, "parameter")
+            _set_seed(sim_params, Parameter("seed", Parameter.Type.INTEGER, seed))
             for resume in RESUMES:
                 verdict = _episode(client, world, Interrupted.sample(seed), resume)
                 if verdict is None:
@@ -157,6 +156,19 @@ def _episode(node, world, episode: Interrupted, resume: str) -> bool | None:
     finally:
         root.stop(Status.INVALID)
         tree.shutdown()
+
+
+def _set_seed(sim_params, seed) -> None:
+    """Set the simulation's seed, asking again when no answer comes: a service found ready may
+    not yet have discovered this client's reply reader (DDS matches each direction on its own),
+    and then its answer is lost. Setting the same seed twice is the same as once."""
+    for attempt in range(3):
+        try:
+            _wait(sim_params.set_parameters([seed]), 10, "parameter")
+            return
+        except TimeoutError:
+            if attempt == 2:
+                raise
 
 
 def _wait(future, timeout_s: float, service: str) -> None:
