@@ -6,9 +6,10 @@ side in one run, on ``ModelConfig.bench()``.
 1. publish of a P-token capsule, every chunk new (the server is emptied first): export from the
    store, the cut, chunk hashing, touch, pipelined SET NX, the manifest commit / a pipelined
    SET of the same chunks' bytes, in the same batches (target <= 1.5);
-2. pull, verify and restore (manifest checks, pipelined GET, each chunk placed, the capsule
+2. pull, verify and restore (manifest checks, pipelined GET read into place, the capsule
    digest and history hash, the store adopting the bytes, the restore's copy into the arena) /
-   a pipelined GET of the same bytes (target <= 1.5);
+   a pipelined GET of the same bytes through redis-py (target <= 1.5), and / the same GETs read
+   into place as a pull reads them, into memory mapped before (the transfer alone);
 3. bytes on the server for a lineage of 10 snapshots, each 64 tokens past the last, published
    one after another / the 10 capsules' sizes (what 10 independent capsules would store);
 4. 8 pullers of one capsule at once (the longest prefix), each a client and a store of its
@@ -31,6 +32,7 @@ import torch
 
 from ..capsule.fleet import FleetTier
 from ..capsule.fleet_chunks import chunk_bytes, wire_chunks
+from ..capsule.fleet_receive import get_into
 from ..runtime import Engine, ModelConfig
 from .common import bench_main, interleaved, machine, positive_int, verdict
 from .kv_server import KeyValueServer, server_binary
@@ -73,8 +75,8 @@ def _measure(url: str, prefixes: tuple[int, ...], rounds: int, lineage: int, ste
     bench = _Bench(url, cfg, max(prefixes) + lineage * step + 1)
     print(f"fleet tier vs raw SET/GET on one server ({url}); {machine()}")
     print("| tokens | MiB | publish MiB/s | raw SET MiB/s | publish / SET | pull+restore MiB/s | raw GET MiB/s "
-          "| pull / GET |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| pull / GET | GET into place MiB/s | pull / GET into place |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     try:
         rows = [bench.row(tokens, rounds, pullers=tokens == max(prefixes)) for tokens in sorted(prefixes)]
         stored, sizes = bench.lineage(lineage, step)
@@ -139,6 +141,17 @@ class _Bench:
             _pipelined(raw, [("get", k, len(v)) for k, v in zip(raw_keys, values)], pull_batch)
             return time.perf_counter() - start
 
+        into = torch.empty(info.nbytes, dtype=torch.uint8).numpy()
+        places = [memoryview(into[start:end]) for start, end in spans]
+
+        def raw_get_into() -> float:
+            ready()
+            start = time.perf_counter()
+            for first, last in _batch_bounds([len(p) for p in places], pull_batch):
+                if get_into(raw, raw_keys[first:last], places[first:last]) is not None:
+                    raise RuntimeError("a raw chunk is gone or changed")
+            return time.perf_counter() - start
+
         def publish() -> float:
             self.wipe()
             start = time.perf_counter()
@@ -153,7 +166,7 @@ class _Bench:
             b.restore(self.puller.pull(b.capsules, capsule.id).id)
             return time.perf_counter() - start
 
-        fns = {"publish": publish, "raw_set": raw_set, "pull": pull, "raw_get": raw_get}
+        fns = {"publish": publish, "raw_set": raw_set, "pull": pull, "raw_get": raw_get, "raw_get_into": raw_get_into}
         together = None
         if pullers:
             together = _Together(self.url, self.key, prefix, self.cfg, self.length, capsule.id, raw_keys, pull_batch, ready)
@@ -166,7 +179,8 @@ class _Bench:
         mib = info.nbytes / MiB
         print(f"| {tokens} | {mib:.1f} | {mib / times['publish']:.0f} | {mib / times['raw_set']:.0f} "
               f"| {times['publish'] / times['raw_set']:.2f} | {mib / times['pull']:.0f} | {mib / times['raw_get']:.0f} "
-              f"| {times['pull'] / times['raw_get']:.2f} |")
+              f"| {times['pull'] / times['raw_get']:.2f} | {mib / times['raw_get_into']:.0f} "
+              f"| {times['pull'] / times['raw_get_into']:.2f} |")
         if pullers:
             print(f"{PULLERS} pullers of one {tokens}-token capsule at once: {times['pullers'] * 1e3:.0f} ms until "
                   f"all hold it verified, {PULLERS} raw pipelined GETs at once {times['raw_gets'] * 1e3:.0f} ms "
@@ -260,6 +274,19 @@ def _pipelined(client, commands: list[tuple], batch_bytes: int) -> None:
             pipe.execute()
             pipe, size = client.pipeline(transaction=False), 0
     pipe.execute()
+
+
+def _batch_bounds(sizes: list[int], batch_bytes: int) -> list[tuple[int, int]]:
+    """[first, last) of each batch of about ``batch_bytes``, cut as ``_pipelined`` cuts."""
+    bounds, first, size = [], 0, 0
+    for i, n in enumerate(sizes):
+        size += n
+        if size >= batch_bytes:
+            bounds.append((first, i + 1))
+            first, size = i + 1, 0
+    if first < len(sizes):
+        bounds.append((first, len(sizes)))
+    return bounds
 
 
 def _prefix_list(text: str) -> tuple[int, ...]:

@@ -21,8 +21,9 @@ that dies half-way leaves chunks no manifest names, which expire or are collecte
 manifest without its chunks.
 
 Pull: the manifest is read and checked (signature, fingerprints, every header field, the
-cut), the chunks fetched in pipelined batches into memory this process allocates, each
-checked against its length and hashed in order as the batches come, then the whole against
+cut), the chunks fetched in pipelined batches and read off the socket straight into memory
+this process allocates (``fleet_receive``), each checked against its length and hashed in
+order as the batches come, then the whole against
 the capsule digest and history hash (a chunk altered fails the capsule digest, and is then
 found, named, and removed from the server, where it would keep every capsule that shares it
 from restoring); only then does the store take the bytes (``CapsuleStore.adopt``). Anything
@@ -48,8 +49,9 @@ from . import fleet_manifest, signing
 from .disk_capsules import range_reader
 from .errors import (BudgetExceeded, CapsuleError, CapsuleIOError, CorruptCapsule, FleetUnavailable,
                      IncompleteCapsule, InvalidCapsuleRequest, UnknownCapsule)
-from .fleet_chunks import Chunking, Span, chunk_bytes, chunking_for, digest, length, place, wire_chunks
+from .fleet_chunks import Chunking, Span, chunk_bytes, chunking_for, digest, length, wire_chunks
 from .fleet_config import FleetConfig, FleetKeys
+from .fleet_receive import get_into
 from .fleet_scripts import Scripts, outcome
 from .info import CapsuleInfo, check_name, check_tier, is_capsule_id
 from .layout import Layout
@@ -425,7 +427,7 @@ class FleetTier:
         return pulled
 
     def _fetch(self, manifest: fleet_manifest.Manifest, out: Any, deadline: _Deadline) -> tuple[int, str]:
-        """Every chunk of the manifest into ``out``, checked against its length, and the
+        """Every chunk of the manifest read into its place in ``out``, checked against its length, and the
         capsule digest of what arrived: (bytes received, digest). The bytes are hashed in
         order on a thread of their own while the next batch is on its way. Chunks are fetched
         once each, in the order of their first use, so a batch completes the data up to its
@@ -453,23 +455,21 @@ class FleetTier:
             for batch in _batches(list(where), lambda d: length(where[d][0]),
                                   self.pull_batch_bytes(manifest.info.nbytes)):
                 deadline.check()
+                places = [memoryview(out[slice(*where[d][0])]) for d in batch]
                 with self._talking("pull"):
-                    pipe = self._client.pipeline(transaction=False)
-                    for d in batch:
-                        pipe.get(self.keys.chunk(d))
-                    values = pipe.execute()
-                for d, value in zip(batch, values):
+                    unfit = get_into(self._client, [self.keys.chunk(d) for d in batch], places)
+                if unfit is not None:
+                    d = batch[unfit.index]
                     index = first[d]
-                    if value is None:
+                    if unfit.length is None:
                         raise IncompleteCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) is gone from "
                                                 "the server (evicted or collected); publish the capsule again")
-                    expected = length(where[d][0])
-                    if len(value) != expected:
-                        raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match "
-                                             f"its digest ({len(value)} bytes, {expected} expected)"
-                                             + self._removal(self._remove_altered(d)))
-                    for span in where[d]:
-                        place(out, span, value)
+                    raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match "
+                                         f"its digest ({unfit.length} bytes, {len(places[unfit.index])} expected)"
+                                         + self._removal(self._remove_altered(d)))
+                for d, value in zip(batch, places):
+                    for span in where[d][1:]:   # a chunk the capsule holds more than once
+                        out[slice(*span)] = out[slice(*where[d][0])]
                     received += len(value)
                 done = manifest.spans[first[batch[-1]]][1]
                 later(whole.update, memoryview(out[hashed:done]))
