@@ -447,7 +447,9 @@ class FleetTier:
             try:
                 pending.append(hasher.submit(fn, *args))
             except RuntimeError:   # shut down: ``close`` ran meanwhile
-                raise FleetUnavailable(f"fleet tier: closed while pulling capsule {capsule_id}") from None
+                error = FleetUnavailable(f"fleet tier: closed while pulling capsule {capsule_id}")
+                self._count(last_error=str(error))
+                raise error from None
 
         try:
             # ``out`` is fresh memory: its pages are mapped while the first batch is on its way.
