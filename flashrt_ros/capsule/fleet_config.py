@@ -99,6 +99,9 @@ class FleetConfig:
         if set_in_url:
             raise InvalidCapsuleRequest(f"fleet url sets {', '.join(set_in_url)}: the fleet tier's timeout_s and "
                                         "connect_timeout_s bound every call")
+        if options.get("protocol", 2) != 2:
+            raise InvalidCapsuleRequest(f"fleet url sets protocol={options['protocol']}: the fleet tier speaks RESP2 "
+                                        "(a pull reads its replies itself; fleet_receive)")
         if self.username and "username" in options:
             raise InvalidCapsuleRequest("fleet username is given twice (in the url and as username)")
         return options
@@ -115,7 +118,9 @@ class FleetConfig:
             # One retry, on a lost connection only (a pooled one the server closed meanwhile): a
             # timeout is not retried, so a slow server costs one timeout, not several.
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-            health_check_interval=30, **options)
+            # RESP2: no server push can come between a pull's replies, which it reads itself
+            # (fleet_receive); redis-py would speak RESP3 otherwise.
+            health_check_interval=30, protocol=2, **options)
         return redis.Redis(connection_pool=pool)
 
 

@@ -14,6 +14,7 @@ The socket's timeout is the pool's ``socket_timeout``: every read is bounded by 
 from __future__ import annotations
 
 import socket
+import time
 from typing import NamedTuple, Sequence
 
 import redis
@@ -35,22 +36,39 @@ def get_into(client: redis.Redis, keys: Sequence[str], places: Sequence[memoryvi
     """GET every key in one pipeline, the value of ``keys[i]`` written into ``places[i]``
     (writable, as long as the value must be). None when every value fit; else the first reply
     that did not (the places from there on hold anything). Server errors and lost or slow
-    connections raise redis-py's exceptions, as its own calls do."""
+    connections raise redis-py's exceptions, as its own calls do. A connection lost is tried
+    once more on a fresh one, as the pool's own retry does: GETs change nothing, and every
+    place is written again whole."""
     if len(keys) != len(places):
         raise ValueError(f"{len(keys)} keys for {len(places)} places")
-    pool = client.connection_pool
+    try:
+        return _get_into(client.connection_pool, keys, places)
+    except redis.exceptions.TimeoutError:
+        raise
+    except redis.exceptions.ConnectionError:
+        return _get_into(client.connection_pool, keys, places)
+
+
+def _get_into(pool: redis.ConnectionPool, keys: Sequence[str], places: Sequence[memoryview]) -> Unfit | None:
     connection = pool.get_connection()
     whole = False
     try:
         connection.send_packed_command(connection.pack_commands([("GET", key) for key in keys]))
-        reader = _Reader(connection._sock)   # the pool's own socket: redis-py has no public handle on it
+        sock = connection._sock   # the pool's own socket: redis-py has no public handle on it
+        if sock is None:   # closed meanwhile (the tier closed by another thread)
+            raise redis.exceptions.ConnectionError("the connection was closed while its replies were awaited")
+        reader = _Reader(sock)
         for index, place in enumerate(places):
             size = reader.header()
             if size != len(place):
                 return Unfit(index, size)
             reader.into(place)
             reader.end_of_value()
-        whole = True
+        # Anything past the last reply is no answer of ours (a RESP3 push): the connection is
+        # not handed on with it.
+        whole = reader.start == reader.end
+        if whole and connection.health_check_interval:   # as redis-py does after a reply read
+            connection.next_health_check = time.monotonic() + connection.health_check_interval
         return None
     except socket.timeout:
         raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
@@ -75,7 +93,7 @@ class _Reader:
         """The next reply's value length, or None for no value; a server error raises."""
         line = self._line()
         kind, rest = line[:1], line[1:]
-        if kind == b"$":
+        if kind == b"$" and rest.lstrip(b"-").isdigit():
             size = int(rest)
             return None if size < 0 else size
         if kind == b"_":
