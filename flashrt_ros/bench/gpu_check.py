@@ -202,10 +202,12 @@ def _moe() -> bool:
         ("grouped, eager", {"cuda_graphs": False}))}
     try:
         out = {}
-        for name, engine in engines.items():
+        for engine in engines.values():
             engine.prefill(prompt)
-            if name != "graphed":   # decode alone is compared: start every engine from the same bytes
+        for name, engine in engines.items():   # decode alone is compared: every engine starts from
+            if name != "graphed":               # the graphed one's bytes after the prompt
                 engine.arena.buffer.copy_(engines["graphed"].arena.buffer)
+        for name, engine in engines.items():
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
