@@ -60,15 +60,26 @@ class NodeClient:
         self.actions = ActionClient(self.node, Generate, f"{node}/generate")
         threading.Thread(target=self.executor.spin, daemon=True).start()
 
-    def call(self, service: str, **fields: Any) -> Any:
+    def call(self, service: str, *, idempotent: bool = False, **fields: Any) -> Any:
         """The service's answer, asked again while the node is not active yet (autostart: the
-        services exist before activation ends)."""
+        services exist before activation ends). ``idempotent``: asked again, too, when no answer
+        comes within 10 s (three times at most): a service found ready may not yet have
+        discovered this client's reply reader (DDS matches each direction on its own), and then
+        its answer is lost. Only a request that does the same asked twice may say so."""
         from flashrt_ros.errors import ErrorCode
         from ros_harness import wait_future
 
         deadline = time.monotonic() + 60
+        unanswered = 0
         while True:
-            response = wait_future(self.clients[service].call_async(self.services[service].Request(**fields)), 60)
+            asked = self.clients[service].call_async(self.services[service].Request(**fields))
+            try:
+                response = wait_future(asked, 10 if idempotent else 60)
+            except TimeoutError:
+                unanswered += 1
+                if not idempotent or unanswered == 3:
+                    raise
+                continue
             if response.error_code != ErrorCode.NOT_ACTIVE or time.monotonic() > deadline:
                 return response
             time.sleep(0.2)

@@ -43,7 +43,8 @@ class Robot:
         for c in self.client.clients.values():
             assert c.wait_for_service(timeout_sec=90), f"{self.name} did not come up:\n{self.tail()}"
         assert self.client.actions.wait_for_server(timeout_sec=30)
-        assert self.call("list_capsules").success   # active (the call retries while NOT_ACTIVE)
+        # Active (the call is asked again while NOT_ACTIVE), and this client's reply path matched.
+        assert self.call("list_capsules", idempotent=True).success
 
     def call(self, service: str, **fields):
         return self.client.call(service, **fields)
