@@ -201,6 +201,7 @@ class _Scripted:
     (b"$10\r\nabc", True, redis.exceptions.ConnectionError),        # a value cut short by a close
     (b"$12", True, redis.exceptions.ConnectionError),                # a header cut short
     (b"$abc\r\n", False, redis.exceptions.InvalidResponse),          # a length that is no number
+    (b"$--1\r\n", False, redis.exceptions.InvalidResponse),
     (b">2\r\n$4\r\npush\r\n$1\r\nx\r\n", False, redis.exceptions.InvalidResponse),   # RESP3 push
     (b"+OK\r\n", False, redis.exceptions.InvalidResponse),           # no reply GET gives
     (b"$3\r\nabcXY\r\n", False, redis.exceptions.InvalidResponse),       # a value longer than its header

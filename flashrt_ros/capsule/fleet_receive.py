@@ -7,9 +7,10 @@ client's pooled connections (connected, authenticated and wrapped in TLS as the 
 configured): each reply's header through a small buffer, and a value's bytes with
 ``recv_into`` into their place, through the buffer only for what arrived with a header.
 
-A connection goes back to the pool only once every reply was read whole and matched its
-place; at any other end it is closed, so no pooled connection is left with replies in flight.
-The socket's timeout is the pool's ``socket_timeout``: every read is bounded by it.
+A connection goes back to the pool only once every reply was read whole, each matched its
+place and nothing followed the last; at any other end it is closed, so no pooled connection is
+left with replies in flight. The socket's timeout is the pool's ``socket_timeout``: every read
+is bounded by it.
 """
 from __future__ import annotations
 
@@ -93,9 +94,10 @@ class _Reader:
         """The next reply's value length, or None for no value; a server error raises."""
         line = self._line()
         kind, rest = line[:1], line[1:]
-        if kind == b"$" and rest.lstrip(b"-").isdigit():
-            size = int(rest)
-            return None if size < 0 else size
+        if kind == b"$" and rest == b"-1":
+            return None
+        if kind == b"$" and rest.isdigit():
+            return int(rest)
         if kind == b"_":
             return None
         if kind == b"-":
