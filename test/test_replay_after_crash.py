@@ -103,7 +103,7 @@ def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeyp
     journal = tmp_path / "journal"
     log = open(tmp_path / "node.log", "w+")
     proc = start_node(log, "max_seq_len:=256", f"journal_path:={journal}")
-    client = NodeClient("flashrt_crash_test", {k: SERVICES[k] for k in ("snapshot", "rollback")})
+    client = NodeClient("flashrt_crash_test", {k: SERVICES[k] for k in ("list_capsules", "snapshot", "rollback")})
 
     def generate(prompt):
         handle = wait_future(client.actions.send_goal_async(Generate.Goal(prompt=prompt, max_new_tokens=6)), 60)
@@ -112,7 +112,8 @@ def test_the_journal_of_a_node_killed_mid_session_replays_up_to_the_kill(monkeyp
     try:
         for c in client.clients.values():
             assert c.wait_for_service(timeout_sec=90), "node process did not come up"
-        assert client.call("snapshot", name="before").success   # also waits for activation
+        assert client.call("list_capsules", idempotent=True).success   # active, and the reply path matched
+        assert client.call("snapshot", name="before").success
         assert client.actions.wait_for_server(timeout_sec=30)
         first = generate("the arm reached")
         assert first.success, first.message
