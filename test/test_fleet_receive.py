@@ -193,6 +193,13 @@ class _Scripted:
             self.closed += 1
             peer.close()
 
+    def wait_closed(self, otherwise: str) -> None:
+        """Return once the client closed a connection (within a bound, not a speed)."""
+        deadline = time.monotonic() + 10
+        while self.closed < 1:
+            assert time.monotonic() < deadline, otherwise
+            time.sleep(0.02)
+
     def close(self) -> None:
         self.listener.close()
 
@@ -211,10 +218,7 @@ def test_a_reply_no_server_should_send_raises_and_closes_the_connection(reply, c
     try:
         with pytest.raises(raised):
             get_into(peer.client(), ["k"], [memoryview(bytearray(3 if reply.startswith(b"$3") else 10))])
-        deadline = time.monotonic() + 10
-        while peer.closed < 1:
-            assert time.monotonic() < deadline, "the connection was left open"
-            time.sleep(0.02)
+        peer.wait_closed("the connection was left open")
     finally:
         peer.close()
 
@@ -224,10 +228,7 @@ def test_bytes_after_the_last_reply_keep_the_connection_from_the_pool():
     try:
         place = bytearray(3)
         assert get_into(peer.client(), ["k"], [memoryview(place)]) is None and bytes(place) == b"abc"
-        deadline = time.monotonic() + 10
-        while peer.closed < 1:
-            assert time.monotonic() < deadline, "a connection with bytes unread went back to the pool"
-            time.sleep(0.02)
+        peer.wait_closed("a connection with bytes unread went back to the pool")
     finally:
         peer.close()
 
