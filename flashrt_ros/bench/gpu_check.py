@@ -12,19 +12,22 @@ CUDA events (target < 0.5 ms), that a host-tier capsule (copied to pinned
 memory without blocking) hashes and restores the bytes it was taken from, that
 speculative decoding over captured verify graphs gives plain decode's tokens, and that an MoE
 model's decode and verify capture (routing on the device: no host read, fixed shapes) and give
-the tokens and bytes the same code gives uncaptured.
+the tokens and bytes the same code gives uncaptured, and that a bf16 checkpoint folder loads
+onto the device in bf16 with the weights a CPU load holds.
 Each section runs even if one before it failed. Exits 0 if every check passed,
 1 if one failed, 2 if there is no CUDA device (nothing was checked).
 """
 from __future__ import annotations
 
 import sys
+import tempfile
 import traceback
 from typing import Callable
 
 import torch
 
 from ..runtime import Engine, ModelConfig
+from ..runtime.weights import save_checkpoint, seeded_weights
 from .common import CacheFlush
 
 PROMPT = 16384
@@ -138,8 +141,31 @@ def _checks(graphed: Engine, eager: Engine, prompt: torch.Tensor) -> bool:
     ok &= _section("host-tier capsule", host_tier)
     ok &= _section("speculative decoding with captured verify graphs", _speculative)
     ok &= _section("MoE: graphed decode and verify, experts routed on the device", _moe)
+    ok &= _section("a bf16 checkpoint folder stays bf16 on the device", _bf16_folder)
     print("gpu_check:", "PASS" if ok else "FAIL")
     return ok
+
+
+def _bf16_folder(device: str = "cuda") -> bool:
+    """A bf16 checkpoint folder loaded onto the device in bf16 holds the very weights a CPU load
+    holds in fp32 (the device transposes; a bf16 value is exact in fp32), and decodes."""
+    cfg = ModelConfig.bench()
+    with tempfile.TemporaryDirectory() as folder:
+        save_checkpoint(folder, cfg, {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()})
+        on_device = Engine.from_pretrained(folder, device=device, dtype=torch.bfloat16, max_seq_len=64)
+        on_cpu = Engine.from_pretrained(folder, max_seq_len=64)
+    try:
+        pairs = [(on_device.model.lm_head.w, on_cpu.model.lm_head.w)]
+        pairs += [(d.w, c.w) for d, c in zip(on_device.model.projections(), on_cpu.model.projections())]
+        same = all(d.dtype == torch.bfloat16 and torch.equal(d.cpu(), c.to(torch.bfloat16)) for d, c in pairs)
+        on_device.prefill(list(range(1, 17)))
+        tokens = on_device.generate(8)
+        print(f"  bf16 folder on {device}: {len(pairs)} projections equal to the CPU load's: {same}; "
+              f"decodes {len(tokens)} tokens")
+        return same and len(tokens) == 8
+    finally:
+        on_device.close()
+        on_cpu.close()
 
 
 def _speculative() -> bool:

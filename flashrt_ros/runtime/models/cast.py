@@ -23,19 +23,24 @@ class Cast:
         return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
 
     def t(self, *parts: torch.Tensor) -> torch.Tensor:
-        """Fuse [out, in] matrices along out and store the result as [in, out]. Transposed in the
-        stored dtype first and cast after, each copy one that torch runs at memory speed (a
-        transposing copy that also converts runs element by element). Torch's transpose of a
-        contiguous matrix is one thread's blocked loop, so a large one on a CPU is cut into
-        stripes of rows transposed on ``torch.get_num_threads()`` threads, while this thread
-        casts each transposed stripe into its columns of the result with torch's own threads
-        (the same copies, the same bytes; one team of torch threads at a time)."""
+        """Fuse [out, in] matrices along out and store the result as [in, out]. On a device,
+        the device transposes. On a CPU, transposed in the stored dtype first and cast after,
+        each copy one that torch runs at memory speed (a transposing copy that also converts
+        runs element by element). Torch's transpose of a contiguous matrix is one thread's
+        blocked loop, so a large one on a CPU is cut into stripes of rows transposed on
+        ``torch.get_num_threads()`` threads, while this thread casts each transposed stripe
+        into its columns of the result with torch's own threads (the same copies, the same
+        bytes; one team of torch threads at a time)."""
         whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
         out = empty_huge((whole.shape[1], whole.shape[0]), self.dtype, self.device)
+        if self.device.type != "cpu":
+            # The stored matrix crosses as it is (one contiguous copy); the device transposes
+            # and casts it, not one host thread.
+            return out.copy_(whole.to(self.device).t())
         if whole.dtype == self.dtype:
             return out.copy_(whole.t())
         threads = torch.get_num_threads()
-        if self.device.type != "cpu" or threads < 2 or whole.numel() < _STRIPED:
+        if threads < 2 or whole.numel() < _STRIPED:
             return out.copy_(whole.t().contiguous())
         rows = max(1, _STRIPE_BYTES // (whole.shape[1] * whole.element_size()))
         firsts = range(0, whole.shape[0], rows)
