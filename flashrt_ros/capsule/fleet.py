@@ -469,10 +469,10 @@ class FleetTier:
                     raise CorruptCapsule(f"fleet capsule {capsule_id}: chunk {index} ({d[:16]}) does not match "
                                          f"its digest ({unfit.length} bytes, {len(places[unfit.index])} expected)"
                                          + self._removal(self._remove_altered(d)))
-                for d, value in zip(batch, places):
+                for d, place in zip(batch, places):
                     for span in where[d][1:]:   # a chunk the capsule holds more than once
-                        out[slice(*span)] = out[slice(*where[d][0])]
-                    received += len(value)
+                        out[slice(*span)] = place
+                    received += len(place)
                 done = manifest.spans[first[batch[-1]]][1]
                 later(whole.update, memoryview(out[hashed:done]))
                 hashed = done
