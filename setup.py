@@ -35,12 +35,13 @@ def runtime_requirements() -> list[str]:
     return reqs
 
 
-# The CPU backend's small C library (few-row products, the Gated DeltaNet mixer), loaded with
+# The CPU backend's small C library (few-row products, the Gated DeltaNet mixer, the load's
+# transposing cast), loaded with
 # ctypes (flashrt_ros/runtime/backends/cpu/library.py), so it is built like an extension but
 # defines no Python module. Optional: without a C compiler the install still succeeds and torch
 # does that work.
 NATIVE = Extension("flashrt_ros._native",
-                   sources=["src/row_product.c", "src/delta_step.c"],
+                   sources=["src/row_product.c", "src/delta_step.c", "src/transpose_cast.c"],
                    depends=["src/fma_loops.h", "src/fp_mode.h"],
                    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fopenmp"],
                    extra_link_args=["-fopenmp"], libraries=["m"], optional=True)

@@ -9,7 +9,9 @@ seeded, so nothing is downloaded. In order, each step freeing what it made:
 1. load: ``Engine.from_pretrained`` of a bf16 checkpoint folder (a CPU computes in fp32, a GPU
    keeps bf16) / reading its files once, interleaved, both from the disk (the files' pages
    dropped from the page cache before each: the speed of the disk, target <= 2) and both from
-   the page cache (what the load costs beyond reading); the peak resident memory once loaded;
+   the page cache (what the load costs beyond reading); on a CPU with the package's library, the
+   same load with torch's copies in place of its transposing cast; the peak resident memory once
+   loaded;
 2. parity with transformers (fp32, same weights): the largest difference of the prompt's last
    logits, and greedy tokens compared one by one;
 3. prefill and decode tokens/s against transformers, and decode against the weight-bandwidth
@@ -22,6 +24,7 @@ seeded, so nothing is downloaded. In order, each step freeing what it made:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import resource
@@ -33,6 +36,7 @@ from typing import Callable
 import torch
 
 from ..runtime import Engine, ModelConfig
+from ..runtime.backends.cpu import transpose_cast
 from ..runtime.released import RELEASED
 from ..runtime.weights import save_checkpoint, seeded_weights
 from . import capsules, runtime
@@ -108,18 +112,21 @@ def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
                         pass
             return time.perf_counter() - start
 
-        def load(cold: bool) -> float:
+        def load(cold: bool, kernel: bool = True) -> float:
             if cold:
                 evict(files)
-            start = time.perf_counter()
-            Engine.from_pretrained(folder, max_seq_len=64).close()
-            return time.perf_counter() - start
+            with contextlib.nullcontext() if kernel else transpose_cast.disabled():
+                start = time.perf_counter()
+                Engine.from_pretrained(folder, max_seq_len=64).close()
+                return time.perf_counter() - start
 
         read(False)
         engine = Engine.from_pretrained(folder, max_seq_len=64)
         dtype, peak = engine.dtype, peak_rss_gib()
         engine.close()
         fns: dict[str, Callable[[], float]] = {"read": lambda: read(False), "load": lambda: load(False)}
+        if transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0)):
+            fns["torch_load"] = lambda: load(False, kernel=False)
         if evict(files):
             fns |= {"cold_read": lambda: read(True), "cold_load": lambda: load(True)}
         t = interleaved(fns, rounds)
@@ -130,7 +137,10 @@ def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
               f"({t['cold_load'] / t['cold_read']:.2f}x)")
     print(f"  from the page cache: read in {t['read']:.3f} s, loaded in {t['load']:.2f} s "
           f"({t['load'] / t['read']:.2f}x)")
-    return {"file_bytes": nbytes, "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
+    if "torch_load" in t:
+        print(f"  the weights transposed and cast by the package's kernel: loaded in {t['load']:.2f} s, by torch's "
+              f"copies in {t['torch_load']:.2f} s ({t['torch_load'] / t['load']:.2f}x), from the page cache")
+    return {"file_bytes": nbytes, "torch_load_s": t.get("torch_load"), "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
             "cold_load_s": t.get("cold_load"), "dtype": str(dtype), "peak_rss_gib": peak}
 
 

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...hugepages import empty_huge
+from ..backends.cpu import transpose_cast
 from ..projection import Projection
 
 _STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``Cast.t``)
@@ -24,31 +25,46 @@ class Cast:
 
     def t(self, *parts: torch.Tensor) -> torch.Tensor:
         """Fuse [out, in] matrices along out and store the result as [in, out]. On a device,
-        the device transposes. On a CPU, transposed in the stored dtype first and cast after,
-        each copy one that torch runs at memory speed (a transposing copy that also converts
-        runs element by element). Torch's transpose of a contiguous matrix is one thread's
-        blocked loop, so a large one on a CPU is cut into stripes of rows transposed on
-        ``torch.get_num_threads()`` threads, while this thread casts each transposed stripe
-        into its columns of the result with torch's own threads (the same copies, the same
-        bytes; one team of torch threads at a time)."""
-        whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
-        out = empty_huge((whole.shape[1], whole.shape[0]), self.dtype, self.device)
+        the device transposes. On a CPU in float32, the package's kernel writes each part into
+        its columns in one pass (``backends.cpu.transpose_cast``); otherwise each part is
+        transposed in its stored dtype first and cast after, each copy one that torch runs at
+        memory speed (a transposing copy that also converts runs element by element). Torch's
+        transpose of a contiguous matrix is one thread's blocked loop, so a large one is then
+        cut into stripes of rows transposed on ``torch.get_num_threads()`` threads, while this
+        thread casts each transposed stripe into its columns of the result with torch's own
+        threads (the same copies, the same bytes; one team of torch threads at a time)."""
+        parts = tuple(p.detach() for p in parts)
+        out = empty_huge((parts[0].shape[1], sum(p.shape[0] for p in parts)), self.dtype, self.device)
         if self.device.type != "cpu":
             # The stored matrix crosses as it is (one contiguous copy); the device transposes
             # and casts it, not one host thread.
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts)
             return out.copy_(whole.to(self.device).t())
-        if whole.dtype == self.dtype:
-            return out.copy_(whole.t())
+        first = 0
+        for part in parts:
+            if transpose_cast.serves(part, out):
+                transpose_cast.into(part, out, first)
+            else:
+                self._t_torch(part, out[:, first:first + part.shape[0]])
+            first += part.shape[0]
+        return out
+
+    @staticmethod
+    def _t_torch(part: torch.Tensor, out: torch.Tensor) -> None:
+        """``out.copy_(part.t())`` by torch's copies (see ``t``)."""
+        if part.dtype == out.dtype:
+            out.copy_(part.t())
+            return
         threads = torch.get_num_threads()
-        if threads < 2 or whole.numel() < _STRIPED:
-            return out.copy_(whole.t().contiguous())
-        rows = max(1, _STRIPE_BYTES // (whole.shape[1] * whole.element_size()))
-        firsts = range(0, whole.shape[0], rows)
+        if threads < 2 or part.numel() < _STRIPED:
+            out.copy_(part.t().contiguous())
+            return
+        rows = max(1, _STRIPE_BYTES // (part.shape[1] * part.element_size()))
+        firsts = range(0, part.shape[0], rows)
         with ThreadPoolExecutor(threads) as pool:
-            stripes = pool.map(lambda first: whole[first:first + rows].t().contiguous(), firsts)
+            stripes = pool.map(lambda first: part[first:first + rows].t().contiguous(), firsts)
             for first, stripe in zip(firsts, stripes):
                 out[:, first:first + rows].copy_(stripe)
-        return out
 
     def proj(self, *parts: torch.Tensor) -> Projection:
         return Projection(self.t(*parts))

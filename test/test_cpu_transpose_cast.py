@@ -1,0 +1,73 @@
+"""The transposing cast a CPU load writes its weights with (src/transpose_cast.c): the bytes of
+torch's transpose and cast, into the right columns only, for any thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrt_ros.runtime.backends.cpu import transpose_cast
+from flashrt_ros.runtime.models.cast import Cast
+from thread_counts import at_thread_counts
+
+pytestmark = pytest.mark.skipif(transpose_cast._FOUND is None, reason="the package's C library is not built")
+
+
+def _matrix(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    values.view(-1)[::7] = float("inf")   # specials pass as they are: the load checks them, not the cast
+    values.view(-1)[3::11] = -0.0
+    return values.to(dtype)
+
+
+def test_the_build_installs_the_kernel():
+    assert transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, cols", [(1, 1), (33, 65), (100, 7), (7, 100), (64, 64), (513, 31)])
+def test_a_matrix_lands_transposed_and_cast_in_its_columns_and_nowhere_else(dtype, rows, cols):
+    source = _matrix(rows, cols, dtype, rows * cols)
+    first, width = 5, rows + 9
+
+    def written() -> torch.Tensor:
+        out = torch.full((cols, width), 7.0)
+        transpose_cast.into(source, out, first)
+        return out
+
+    outs = at_thread_counts(written)
+    expected = torch.full((cols, width), 7.0)
+    expected[:, first:first + rows] = source.t().float()
+    for out in outs:
+        assert torch.equal(out.view(torch.int32), expected.view(torch.int32))   # bit for bit, -0.0 included
+
+
+def test_a_source_whose_rows_lie_apart_is_read_by_its_stride():
+    wide = _matrix(40, 96, torch.bfloat16, 1)
+    source = wide[:, 10:60]          # rows 96 elements apart, 50 read from each
+    assert source.stride(0) == 96 and not source.is_contiguous()
+    out = torch.empty(50, 40)
+    transpose_cast.into(source, out, 0)
+    assert torch.equal(out, source.t().float())
+
+
+def test_shapes_that_do_not_fit_are_refused_before_anything_is_written():
+    out = torch.full((8, 10), 3.0)
+    for source, first in ((torch.zeros(4, 7), 0), (torch.zeros(4, 8), 7), (torch.zeros(4, 8), -1)):
+        with pytest.raises(ValueError, match="does not fit"):
+            transpose_cast.into(source, out, first)
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        transpose_cast.into(torch.zeros(4, 8), out[:, :5], 0)
+    assert torch.equal(out, torch.full((8, 10), 3.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_a_fused_projection_is_the_same_bytes_with_the_kernel_and_with_torch(dtype):
+    """float16 is not the kernel's: that part goes through torch's copies, beside the others."""
+    parts = [_matrix(48, 64, dtype, 2), _matrix(16, 64, torch.bfloat16, 3), _matrix(3, 64, dtype, 4)]
+    cast = Cast(torch.device("cpu"), torch.float32)
+    with transpose_cast.disabled():
+        by_torch = cast.t(*parts)
+    by_kernel = cast.t(*parts)
+    assert by_kernel.shape == (64, 67) and by_kernel.is_contiguous()
+    assert torch.equal(by_kernel.view(torch.int32), by_torch.view(torch.int32))
+    assert torch.equal(by_kernel, torch.cat([p.float() for p in parts]).t())
