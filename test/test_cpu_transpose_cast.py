@@ -71,3 +71,15 @@ def test_a_fused_projection_is_the_same_bytes_with_the_kernel_and_with_torch(dty
     assert by_kernel.shape == (64, 67) and by_kernel.is_contiguous()
     assert torch.equal(by_kernel.view(torch.int32), by_torch.view(torch.int32))
     assert torch.equal(by_kernel, torch.cat([p.float() for p in parts]).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_expert_stack_is_each_matrix_transposed_with_the_kernel_and_with_torch(dtype):
+    stack = torch.stack([_matrix(24, 40, dtype, seed) for seed in range(5)])   # [experts, out, in]
+    cast = Cast(torch.device("cpu"), torch.float32)
+    with transpose_cast.disabled():
+        by_torch = cast.t_each(stack)
+    by_kernel = cast.t_each(stack)
+    assert by_kernel.shape == (5, 40, 24) and by_kernel.is_contiguous()
+    assert torch.equal(by_kernel.view(torch.int32), by_torch.view(torch.int32))
+    assert torch.equal(by_kernel, stack.transpose(1, 2).float())

@@ -42,32 +42,44 @@ class Cast:
             return out.copy_(whole.to(self.device).t())
         first = 0
         for part in parts:
-            if transpose_cast.serves(part, out):
-                transpose_cast.into(part, out, first)
-            else:
-                self._t_torch(part, out[:, first:first + part.shape[0]])
+            _turn(part, out, first)
             first += part.shape[0]
         return out
 
-    @staticmethod
-    def _t_torch(part: torch.Tensor, out: torch.Tensor) -> None:
-        """``out.copy_(part.t())`` by torch's copies (see ``t``)."""
-        if part.dtype == out.dtype:
-            out.copy_(part.t())
-            return
-        threads = torch.get_num_threads()
-        if threads < 2 or part.numel() < _STRIPED:
-            out.copy_(part.t().contiguous())
-            return
-        rows = max(1, _STRIPE_BYTES // (part.shape[1] * part.element_size()))
-        firsts = range(0, part.shape[0], rows)
-        with ThreadPoolExecutor(threads) as pool:
-            stripes = pool.map(lambda first: part[first:first + rows].t().contiguous(), firsts)
-            for first, stripe in zip(firsts, stripes):
-                out[:, first:first + rows].copy_(stripe)
+    def t_each(self, stack: torch.Tensor) -> torch.Tensor:
+        """Each [out, in] matrix of a stack [n, out, in] (an MoE layer's experts) as [in, out],
+        the way ``t`` stores one."""
+        stack = stack.detach()
+        out = empty_huge((stack.shape[0], stack.shape[2], stack.shape[1]), self.dtype, self.device)
+        if self.device.type != "cpu":
+            return out.copy_(stack.to(self.device).transpose(1, 2))
+        for matrix, into in zip(stack, out):
+            _turn(matrix, into, 0)
+        return out
 
     def proj(self, *parts: torch.Tensor) -> Projection:
         return Projection(self.t(*parts))
 
     def one_plus(self, w: torch.Tensor) -> torch.Tensor:
         return (1.0 + w.detach().float()).to(self.device)
+
+
+def _turn(part: torch.Tensor, out: torch.Tensor, first: int) -> None:
+    """``out[:, first:first + rows] = part.t()`` in ``out``'s dtype, on a CPU (see ``Cast.t``)."""
+    if transpose_cast.serves(part, out):
+        transpose_cast.into(part, out, first)
+        return
+    out = out[:, first:first + part.shape[0]]
+    if part.dtype == out.dtype:
+        out.copy_(part.t())
+        return
+    threads = torch.get_num_threads()
+    if threads < 2 or part.numel() < _STRIPED:
+        out.copy_(part.t().contiguous())
+        return
+    rows = max(1, _STRIPE_BYTES // (part.shape[1] * part.element_size()))
+    tops = range(0, part.shape[0], rows)
+    with ThreadPoolExecutor(threads) as pool:
+        stripes = pool.map(lambda top: part[top:top + rows].t().contiguous(), tops)
+        for top, stripe in zip(tops, stripes):
+            out[:, top:top + rows].copy_(stripe)

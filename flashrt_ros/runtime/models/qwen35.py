@@ -84,8 +84,8 @@ def _mlp(w: dict[str, torch.Tensor], p: str, cfg: ModelConfig, cast: Cast) -> Sw
     if cfg.shared_expert_intermediate_size:
         shared, gates = swiglu(f"{p}shared_expert."), w[f"{p}shared_expert_gate.weight"]
     router = cast.proj(*[t for t in (w[f"{p}gate.weight"], gates) if t is not None])
-    return SparseMoE(router, cast(w[f"{p}experts.gate_up_proj"].transpose(1, 2)),
-                     cast(w[f"{p}experts.down_proj"].transpose(1, 2)), cfg.num_experts_per_tok, shared)
+    return SparseMoE(router, cast.t_each(w[f"{p}experts.gate_up_proj"]),
+                     cast.t_each(w[f"{p}experts.down_proj"]), cfg.num_experts_per_tok, shared)
 
 
 def _block(w: dict[str, torch.Tensor], prefix: str, kind: str, slot: int, cast: Cast, cfg: ModelConfig) -> _Block:
