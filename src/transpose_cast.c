@@ -19,13 +19,13 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-/* src [rows, cols] with rows ``stride`` elements apart (stride >= cols); dst has ``ld`` floats
- * per row (ld >= rows) and receives the transpose in its first ``rows`` columns. ``bf16`` != 0:
- * src holds bfloat16, else float32. ``threads`` below 1 runs as 1. Returns 0, or -1 without
- * touching anything when a size or stride cannot describe such matrices. */
+/* src [rows, cols] with rows ``stride`` elements apart (stride >= cols when rows > 1); dst has
+ * ``ld`` floats per row (ld >= rows) and receives the transpose in its first ``rows`` columns.
+ * ``bf16`` != 0: src holds bfloat16, else float32. ``threads`` below 1 runs as 1. Returns 0, or
+ * -1 without touching anything when a size or stride cannot describe such matrices. */
 int flashrt_transpose_cast(const void *src, int bf16, long rows, long cols, long stride, float *dst, long ld,
                            int threads) {
-    if (rows < 0 || cols < 0 || stride < cols || ld < rows)
+    if (rows < 0 || cols < 0 || (rows > 1 && stride < cols) || ld < rows)
         return -1;
     if (threads < 1)   /* OpenMP leaves num_threads(0) undefined */
         threads = 1;
@@ -51,5 +51,6 @@ int flashrt_transpose_cast(const void *src, int bf16, long rows, long cols, long
     return 0;
 }
 
-/* Bumped whenever a change could alter the bytes written: journals record it. */
+/* Bumped whenever a change could alter the bytes written. Journals do not record it: the
+ * conversions are exact, so every version writes what torch's copies write. */
 int flashrt_transpose_cast_version(void) { return 1; }

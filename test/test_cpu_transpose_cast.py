@@ -9,8 +9,6 @@ from flashrt_ros.runtime.backends.cpu import transpose_cast
 from flashrt_ros.runtime.models.cast import Cast
 from thread_counts import at_thread_counts
 
-pytestmark = pytest.mark.skipif(transpose_cast._FOUND is None, reason="the package's C library is not built")
-
 
 def _matrix(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
@@ -20,25 +18,35 @@ def _matrix(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor
 
 
 def test_the_build_installs_the_kernel():
+    """colcon builds it (CMakeLists.txt); without it every load would quietly take torch's copies."""
     assert transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows, cols", [(1, 1), (33, 65), (100, 7), (7, 100), (64, 64), (513, 31)])
+@pytest.mark.parametrize("rows, cols", [(1, 1), (33, 65), (100, 7), (7, 100), (64, 64), (513, 31), (40, 300)])
 def test_a_matrix_lands_transposed_and_cast_in_its_columns_and_nowhere_else(dtype, rows, cols):
     source = _matrix(rows, cols, dtype, rows * cols)
-    first, width = 5, rows + 9
+    first, width, guard = 5, rows + 9, 64
 
     def written() -> torch.Tensor:
-        out = torch.full((cols, width), 7.0)
-        transpose_cast.into(source, out, first)
-        return out
+        memory = torch.full((guard + cols * width + guard,), 7.0)   # the weight, with memory either side
+        transpose_cast.into(source, memory[guard:guard + cols * width].view(cols, width), first)
+        return memory
 
     outs = at_thread_counts(written)
-    expected = torch.full((cols, width), 7.0)
-    expected[:, first:first + rows] = source.t().float()
+    expected = torch.full((guard + cols * width + guard,), 7.0)
+    expected[guard:guard + cols * width].view(cols, width)[:, first:first + rows] = source.t().float()
     for out in outs:
         assert torch.equal(out.view(torch.int32), expected.view(torch.int32))   # bit for bit, -0.0 included
+
+
+def test_a_one_row_view_of_any_stride_is_written():
+    """A [1, n] view may carry a row stride below n (torch counts it contiguous): it is never used."""
+    row = torch.arange(6.0).reshape(6, 1).t()
+    assert row.shape == (1, 6) and row.stride() == (1, 1)
+    out = torch.zeros(6, 1)
+    transpose_cast.into(row, out, 0)
+    assert torch.equal(out, row.t())
 
 
 def test_a_source_whose_rows_lie_apart_is_read_by_its_stride():
@@ -60,14 +68,43 @@ def test_shapes_that_do_not_fit_are_refused_before_anything_is_written():
     assert torch.equal(out, torch.full((8, 10), 3.0))
 
 
+def test_what_the_kernel_would_misread_or_overrun_is_refused_before_anything_is_written():
+    out = torch.full((8, 10), 3.0)
+    refused = [
+        (torch.zeros(4, 8), torch.zeros(8, 10, dtype=torch.bfloat16)),      # a narrower destination
+        (torch.zeros(4, 8, dtype=torch.uint8), out),                        # bytes read as bfloat16
+        (torch.zeros(4, 8, dtype=torch.float16), out),                      # not the kernel's dtype
+        (torch._neg_view(torch.ones(4, 8)), out),                           # a negation it would miss
+        (out[:4, :8], out),                                                 # its own destination
+    ]
+    for source, destination in refused:
+        before = destination.clone()
+        with pytest.raises(ValueError):
+            transpose_cast.into(source, destination, 0)
+        assert torch.equal(destination, before)
+
+
+def test_disabled_blocks_nest_and_hold_until_the_outer_one_ends():
+    matrix = torch.zeros(2, 2, dtype=torch.bfloat16)
+    with transpose_cast.disabled():
+        with transpose_cast.disabled():
+            assert not transpose_cast.serves(matrix, torch.zeros(2, 2))
+        assert not transpose_cast.serves(matrix, torch.zeros(2, 2))
+    assert transpose_cast.serves(matrix, torch.zeros(2, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_a_fused_projection_is_the_same_bytes_with_the_kernel_and_with_torch(dtype):
+def test_a_fused_projection_is_the_same_bytes_with_the_kernel_and_with_torch(dtype, monkeypatch):
     """float16 is not the kernel's: that part goes through torch's copies, beside the others."""
+    into = transpose_cast.into
     parts = [_matrix(48, 64, dtype, 2), _matrix(16, 64, torch.bfloat16, 3), _matrix(3, 64, dtype, 4)]
     cast = Cast(torch.device("cpu"), torch.float32)
     with transpose_cast.disabled():
         by_torch = cast.t(*parts)
+    calls = []
+    monkeypatch.setattr(transpose_cast, "into", lambda *args: calls.append(args) or into(*args))
     by_kernel = cast.t(*parts)
+    assert len(calls) == sum(p.dtype != torch.float16 for p in parts)   # the kernel wrote its parts
     assert by_kernel.shape == (64, 67) and by_kernel.is_contiguous()
     assert torch.equal(by_kernel.view(torch.int32), by_torch.view(torch.int32))
     assert torch.equal(by_kernel, torch.cat([p.float() for p in parts]).t())
@@ -83,3 +120,12 @@ def test_an_expert_stack_is_each_matrix_transposed_with_the_kernel_and_with_torc
     assert by_kernel.shape == (5, 40, 24) and by_kernel.is_contiguous()
     assert torch.equal(by_kernel.view(torch.int32), by_torch.view(torch.int32))
     assert torch.equal(by_kernel, stack.transpose(1, 2).float())
+
+
+def test_parts_of_other_input_widths_are_refused_on_either_path():
+    parts = (torch.zeros(3, 8, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.bfloat16))
+    cast = Cast(torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="one input width"):
+        cast.t(*parts)
+    with transpose_cast.disabled(), pytest.raises(ValueError, match="one input width"):
+        cast.t(*parts)   # torch's copy would broadcast the narrow part

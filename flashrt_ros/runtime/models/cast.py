@@ -10,7 +10,7 @@ from ...hugepages import empty_huge
 from ..backends.cpu import transpose_cast
 from ..projection import Projection
 
-_STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``Cast.t``)
+_STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``_turn``)
 _STRIPE_BYTES = 2 << 20   # one stripe of the stored matrix: enough stripes to keep every thread busy
 
 
@@ -34,6 +34,8 @@ class Cast:
         thread casts each transposed stripe into its columns of the result with torch's own
         threads (the same copies, the same bytes; one team of torch threads at a time)."""
         parts = tuple(p.detach() for p in parts)
+        if any(p.dim() != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
+            raise ValueError(f"fused parts must be matrices of one input width, got {[tuple(p.shape) for p in parts]}")
         out = empty_huge((parts[0].shape[1], sum(p.shape[0] for p in parts)), self.dtype, self.device)
         if self.device.type != "cpu":
             # The stored matrix crosses as it is (one contiguous copy); the device transposes
@@ -53,8 +55,8 @@ class Cast:
         out = empty_huge((stack.shape[0], stack.shape[2], stack.shape[1]), self.dtype, self.device)
         if self.device.type != "cpu":
             return out.copy_(stack.to(self.device).transpose(1, 2))
-        for matrix, into in zip(stack, out):
-            _turn(matrix, into, 0)
+        for matrix, turned in zip(stack, out):
+            _turn(matrix, turned, 0)
         return out
 
     def proj(self, *parts: torch.Tensor) -> Projection:

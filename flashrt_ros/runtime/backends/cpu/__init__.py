@@ -5,6 +5,8 @@
   count, nor on the machine.
 - ``delta_step``: the Gated DeltaNet mixer for one token or a prompt's tokens in one call (torch
   has no fused gated delta rule).
+- ``transpose_cast``: a checkpoint's matrix transposed and converted into the weights' layout
+  at load, exactly (the bytes of torch's copies, so journals do not record it).
 
 Where the library is not built, or off the CPU, the engine runs the torch reference path.
 """
