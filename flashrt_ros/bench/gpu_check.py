@@ -12,8 +12,9 @@ CUDA events (target < 0.5 ms), that a host-tier capsule (copied to pinned
 memory without blocking) hashes and restores the bytes it was taken from, that
 speculative decoding over captured verify graphs gives plain decode's tokens, and that an MoE
 model's decode and verify capture (routing on the device: no host read, fixed shapes) and give
-the tokens and bytes the same code gives uncaptured, and that a bf16 checkpoint folder loads
-onto the device in bf16 with the weights a CPU load holds.
+the tokens and bytes the same code gives uncaptured, that a bf16 checkpoint folder loads
+onto the device in bf16 with the weights a CPU load holds, and how long Qwen3.5-0.8B's shape
+takes to load onto the device against reading its files (target 2x).
 Each section runs even if one before it failed. Exits 0 if every check passed,
 1 if one failed, 2 if there is no CUDA device (nothing was checked).
 """
@@ -142,6 +143,7 @@ def _checks(graphed: Engine, eager: Engine, prompt: torch.Tensor) -> bool:
     ok &= _section("speculative decoding with captured verify graphs", _speculative)
     ok &= _section("MoE: graphed decode and verify, experts routed on the device", _moe)
     ok &= _section("a bf16 checkpoint folder stays bf16 on the device", _bf16_folder)
+    ok &= _section("Qwen3.5-0.8B's bf16 folder loads within 2x of reading its files", _released_load)
     print("gpu_check:", "PASS" if ok else "FAIL")
     return ok
 
@@ -166,6 +168,18 @@ def _bf16_folder(device: str = "cuda") -> bool:
     finally:
         on_device.close()
         on_cpu.close()
+
+
+def _released_load(device: str = "cuda") -> bool:
+    """``bench.released``'s load section onto the device (bf16 stays bf16): from the disk where
+    the files' pages can be dropped, else from the page cache."""
+    from .released import config_of, load_ratio
+
+    t = load_ratio(config_of("Qwen3.5-0.8B"), rounds=3, device=device)
+    cold = t["cold_load_s"] is not None
+    ratio = t["cold_load_s"] / t["cold_read_s"] if cold else t["load_s"] / t["read_s"]
+    print(f"  load / read {'from the disk' if cold else 'from the page cache'}: {ratio:.2f} (target <= 2)")
+    return ratio <= 2.0
 
 
 def _speculative() -> bool:

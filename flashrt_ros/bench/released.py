@@ -85,9 +85,18 @@ def evict(files: list[Path]) -> bool:
     return True
 
 
-def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
+def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
     """Loading a bf16 checkpoint folder against reading its files once, from the disk and from
-    the page cache."""
+    the page cache. On a CPU the engine computes in fp32; on another ``device`` in bf16, and a
+    load ends once the device has its weights."""
+    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+    def loaded() -> Engine:
+        engine = Engine.from_pretrained(folder, device=device, dtype=dtype, max_seq_len=64)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        return engine
+
     with tempfile.TemporaryDirectory() as folder:   # TMPDIR; on tmpfs only the page-cache figures are taken
         weights = {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()}
         save_checkpoint(folder, cfg, weights)
@@ -117,21 +126,21 @@ def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
                 evict(files)
             with contextlib.nullcontext() if kernel else transpose_cast.disabled():
                 start = time.perf_counter()
-                Engine.from_pretrained(folder, max_seq_len=64).close()
+                loaded().close()
                 return time.perf_counter() - start
 
         read(False)
-        engine = Engine.from_pretrained(folder, max_seq_len=64)
-        dtype, peak = engine.dtype, peak_rss_gib()
+        engine = loaded()
+        peak = peak_rss_gib()
         engine.close()
         fns: dict[str, Callable[[], float]] = {"read": lambda: read(False), "load": lambda: load(False)}
-        if transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0)):
+        if dtype == torch.float32 and transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0)):
             fns["torch_load"] = lambda: load(False, kernel=False)
         if evict(files):
             fns |= {"cold_read": lambda: read(True), "cold_load": lambda: load(True)}
         t = interleaved(fns, rounds)
-    print(f"  load: {nbytes / 2**30:.2f} GiB bf16 folder, computing in {str(dtype).removeprefix('torch.')}; "
-          f"peak RSS {peak:.2f} GiB")
+    print(f"  load: {nbytes / 2**30:.2f} GiB bf16 folder onto {device}, computing in "
+          f"{str(dtype).removeprefix('torch.')}; peak RSS {peak:.2f} GiB")
     if "cold_read" in t:
         print(f"  from the disk: read in {t['cold_read']:.2f} s, loaded in {t['cold_load']:.2f} s "
               f"({t['cold_load'] / t['cold_read']:.2f}x)")
@@ -140,8 +149,9 @@ def load_ratio(cfg: ModelConfig, rounds: int) -> dict:
     if "torch_load" in t:
         print(f"  the weights transposed and cast by the package's kernel: loaded in {t['load']:.2f} s, by torch's "
               f"copies in {t['torch_load']:.2f} s ({t['torch_load'] / t['load']:.2f}x), from the page cache")
-    return {"file_bytes": nbytes, "torch_load_s": t.get("torch_load"), "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
-            "cold_load_s": t.get("cold_load"), "dtype": str(dtype), "peak_rss_gib": peak}
+    return {"file_bytes": nbytes, "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
+            "cold_load_s": t.get("cold_load"), "torch_load_s": t.get("torch_load"), "dtype": str(dtype),
+            "peak_rss_gib": peak}
 
 
 def parity(cfg: ModelConfig) -> dict:
