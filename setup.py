@@ -36,12 +36,12 @@ def runtime_requirements() -> list[str]:
 
 
 # The CPU backend's small C library (few-row products, the Gated DeltaNet mixer, the load's
-# transposing cast), loaded with
+# transposing cast, the delta rule's gradients for training), loaded with
 # ctypes (flashrt_ros/runtime/backends/cpu/library.py), so it is built like an extension but
 # defines no Python module. Optional: without a C compiler the install still succeeds and torch
 # does that work.
 NATIVE = Extension("flashrt_ros._native",
-                   sources=["src/row_product.c", "src/delta_step.c", "src/transpose_cast.c"],
+                   sources=["src/row_product.c", "src/delta_step.c", "src/transpose_cast.c", "src/delta_train.c"],
                    depends=["src/fma_loops.h", "src/fp_mode.h"],
                    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fopenmp"],
                    extra_link_args=["-fopenmp"], libraries=["m"], optional=True)

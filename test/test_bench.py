@@ -135,3 +135,13 @@ def test_the_released_shape_benchmark_runs_the_sections_asked_for_alone():
                           cfg=ModelConfig.tiny(vocab_size=32768), sections=(4,))
     assert not {"load", "parity", "runtime"} & set(result) and result["ttft"][0]["prefix"] == 64
     assert all(_finite(c) for c in result["checks"])
+
+
+def test_the_training_step_benchmark_runs_both_ways_on_the_same_batches():
+    from flashrt_ros.bench import training
+
+    threads = torch.get_num_threads()
+    result = training.run(rounds=1, steps=2, threads=threads + 1, routes=30)
+    assert result["kernel_step_s"] > 0 and result["transformers_step_s"] > 0
+    assert result["ratio"] == result["transformers_step_s"] / result["kernel_step_s"]
+    assert torch.get_num_threads() == threads   # training's thread count is put back

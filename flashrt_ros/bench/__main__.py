@@ -1,7 +1,7 @@
 """``make bench`` = ``python -m flashrt_ros.bench [--out bench]``: every benchmark, one run.
 
 Runs the runtime, capsule, prompt-reuse, ROS service, replay, speculative-decoding and fleet-tier benchmarks,
-then the released 0.8B shape's (random weights), in turn,
+the policy's training step, then the released 0.8B shape's (random weights), in turn,
 prints every target of the earlier issues as PASS or MISS, and writes
 ``<out>/results.json`` and one PNG per section. Each figure is a ratio
 measured within this run; absolute times are labelled with the machine.
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import capsules, charts, fleet, released, replay, reuse, runtime, speculative
+from . import capsules, charts, fleet, released, replay, reuse, runtime, speculative, training
 from .common import code_version, machine, verdict_line
 
 
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         ("replay", lambda: replay.run(60.0 if args.quick else 600.0)),
         ("speculative", lambda: speculative.run(args.device, 32 if args.quick else 128, 1 if args.quick else 5)),
         ("fleet", lambda: fleet.run(None, (512, 1024) if args.quick else (2048, 8192, 16384), rounds)),
+        ("training", lambda: training.run(2 if args.quick else 5, 5 if args.quick else 20)),
         ("released", lambda: released.run("Qwen3.5-0.8B", *((64, 4, 1, (512,)) if args.quick
                                                             else (512, 16, 3, (2048,))))),
     ]

@@ -7,6 +7,8 @@
   has no fused gated delta rule).
 - ``transpose_cast``: a checkpoint's matrix transposed and converted into the weights' layout
   at load, exactly (the bytes of torch's copies, so journals do not record it).
+- ``delta_train``: the gated delta rule with its gradients, for training a policy (not used by
+  the engine).
 
 Where the library is not built, or off the CPU, the engine runs the torch reference path.
 """

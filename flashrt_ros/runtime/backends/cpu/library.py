@@ -1,5 +1,5 @@
 """The package's small C library (``src/row_product.c``, ``src/delta_step.c``,
-``src/transpose_cast.c``), loaded with ctypes: the CPU backend's kernels.
+``src/transpose_cast.c``, ``src/delta_train.c``), loaded with ctypes: the CPU backend's kernels.
 
 colcon (CMakeLists.txt) installs it as ``_native.so`` in the ``flashrt_ros`` package folder;
 ``pip install`` (setup.py) builds it with the ABI tag in its name. It is optional: where it is
