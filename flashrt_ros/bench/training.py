@@ -60,10 +60,11 @@ def run(rounds: int = 5, steps: int = 20, threads: int = 2, routes: int = ROUTES
             return once
 
         t = interleaved({"kernel": contender(True), "transformers": contender(False)}, rounds)
+        where = machine()   # with training's thread count
     finally:
         torch.set_num_threads(before)
     ratio = t["transformers"] / t["kernel"]
-    print(f"== training step ({machine()}, {threads} threads): batches of {BATCH} routes, "
+    print(f"== training step ({where}): batches of {BATCH} routes, "
           f"{min(lengths)}-{max(lengths)} steps long")
     print(f"  delta rule by the kernel: {t['kernel'] * 1e3:.1f} ms a step; by transformers' chunked form "
           f"({CHUNK}-step chunks): {t['transformers'] * 1e3:.1f} ms ({ratio:.2f}x)")

@@ -5,13 +5,16 @@ observation projector and the action head, trained as transformers' ``Qwen3_5For
 data the waypoint task's (``route_demonstrations``): the expert's routes driven with noise
 (DART), then rounds of DAgger in which the policy drives, urgent requests and resumes included.
 Sequences differ in length: a batch is padded at the end and the loss masked to the real steps.
+The Gated DeltaNet's rule runs in the package's C kernel where it is built
+(``backends.cpu.delta_train``), transformers' chunked form where it is not.
 
-Deterministic for a seed on one machine and thread count; another CPU may round differently
-and end at another checkpoint.
+Deterministic for a seed on one machine and thread count, with the kernel or without it; another
+CPU, or the other rule, may round differently and end at another checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import sys
@@ -24,6 +27,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..runtime import Engine
+from ..runtime.backends.cpu import delta_train
 from .arm import Arm
 from .interruption import run_route
 from .route_demonstrations import Sequences, demonstrate
@@ -88,7 +92,7 @@ def length_batches(data: Sequences, batch: int, rng: np.random.Generator) -> lis
 
 
 def train(seed: int = 0, iterations: int = 2800, rounds: int = 3, batch: int = 24, lr: float = 2e-3,
-          ema: float | None = 0.999, chunk: int | None = 16, log_every: int = 100,
+          ema: float | None = 0.999, chunk: int | None = 16, delta_kernel: bool = True, log_every: int = 100,
           ) -> tuple[torch.nn.ModuleDict, list[tuple[int, float]], dict[str, float]]:
     """The trained model (taking raw observations), (iteration, loss) at every ``log_every``, and
     seconds per phase: ``iterations`` on the expert's demonstrations, then ``rounds`` of DAgger,
@@ -98,7 +102,9 @@ def train(seed: int = 0, iterations: int = 2800, rounds: int = 3, batch: int = 2
     chunk length of transformers' chunked Gated DeltaNet (None: its default, 64). These
     sequences are mostly 20 to 70 steps, so much of a 64-step chunk is padding, and each chunk
     costs a 64-wide triangular solve forward and backward; the chunked form is exact for any
-    length, so a shorter chunk changes only the rounding."""
+    length, so a shorter chunk changes only the rounding. ``delta_kernel``: run the rule by the
+    package's C kernel where it is built (``backends.cpu.delta_train``: the same function in
+    fewer, larger operations, rounded otherwise), not by transformers' chunked form."""
     took = {"demonstrations": 0.0, "dagger": 0.0, "training": 0.0}
     started = time.monotonic()
     data = demonstrate(TRAIN_SEEDS)
@@ -113,27 +119,37 @@ def train(seed: int = 0, iterations: int = 2800, rounds: int = 3, batch: int = 2
     losses: list[tuple[int, float]] = []
     total = iterations * (rounds + 1)
     batches = length_batches(data, batch, rng)
-    for it in range(total):
-        if it and it % iterations == 0:   # a DAgger round: the policy so far drives, the expert labels
+    with delta_train.replacing_transformers() if delta_kernel else contextlib.nullcontext():
+        for it in range(total):
+            if it and it % iterations == 0:   # a DAgger round: the policy so far drives, the expert labels
+                started = time.monotonic()
+                first = TRAIN_SEEDS.stop + (it // iterations - 1) * DAGGER_EPISODES
+                data = data + _driven_by(folded(policy, scale), first)
+                batches = length_batches(data, batch, rng)
+                took["dagger"] += time.monotonic() - started
             started = time.monotonic()
-            data = data + _driven_by(folded(policy, scale), TRAIN_SEEDS.stop + (it // iterations - 1) * DAGGER_EPISODES)
-            batches = length_batches(data, batch, rng)
-            took["dagger"] += time.monotonic() - started
-        started = time.monotonic()
-        for group in opt.param_groups:   # cosine decay to a tenth
-            group["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / total)))
-        x, y, mask = (torch.from_numpy(a) for a in data.padded(batches[rng.integers(0, len(batches))]))
-        loss = masked_mse(actions(model, scale(x), chunk), y, mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if average is not None:
-            average.update_parameters(model)
-        if it % log_every == 0 or it == total - 1:
-            losses.append((it, loss.item()))
-        took["training"] += time.monotonic() - started
+            for group in opt.param_groups:   # cosine decay to a tenth
+                group["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * it / total)))
+            loss = gradient_step(model, opt, scale, data.padded(batches[rng.integers(0, len(batches))]), chunk)
+            if average is not None:
+                average.update_parameters(model)
+            if it % log_every == 0 or it == total - 1:
+                losses.append((it, loss.item()))
+            took["training"] += time.monotonic() - started
     return folded(policy, scale), losses, took
+
+
+def gradient_step(model: torch.nn.ModuleDict, opt: torch.optim.Optimizer, scale: Scale,
+                  batch: tuple[np.ndarray, np.ndarray, np.ndarray], chunk: int | None) -> torch.Tensor:
+    """One step of ``opt`` on a padded batch (observations, targets, mask): the masked loss,
+    gradients clipped to norm 1. Returns the loss."""
+    x, y, mask = (torch.from_numpy(a) for a in batch)
+    loss = masked_mse(actions(model, scale(x), chunk), y, mask)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], 1.0)
+    opt.step()
+    return loss
 
 
 def _driven_by(model: torch.nn.ModuleDict, first_seed: int) -> Sequences:
@@ -163,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="ship the moving average of the weights, with this decay per step (default 0.999; 0: "
                              "the last step's weights)")
     parser.add_argument("--chunk", type=int, default=16,
-                        help="the Gated DeltaNet's chunk in training (default 16; transformers' own is 64)")
+                        help="the Gated DeltaNet's chunk in training where transformers' chunked form runs it "
+                             "(default 16; transformers' own is 64)")
+    parser.add_argument("--delta-kernel", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the delta rule by the package's C kernel where it is built (default: yes)")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (default 2, whatever the machine's cores: the checkpoint depends on "
                              "the thread count, which splits the sums)")
@@ -179,16 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started, cpu = time.monotonic(), time.process_time()
     model, losses, took = train(args.seed, args.iterations, args.rounds, args.batch, args.lr,
-                                ema=args.ema or None, chunk=args.chunk)
+                                ema=args.ema or None, chunk=args.chunk, delta_kernel=args.delta_kernel)
     wall, cpu = time.monotonic() - started, time.process_time() - cpu
     for it, loss in losses:
         print(f"iteration {it:5d}  loss {loss:.5f}")
     export(model, args.out)
     rate = success_rate(args.out)
     phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in took.items())
+    rule = ("the package's C kernel" if args.delta_kernel and delta_train.available()
+            else f"transformers' chunked form ({args.chunk}-step chunks)")
     print(f"trained in {wall:.0f} s ({phases}; {cpu:.0f} s of CPU) on {torch.get_num_threads()} threads: "
           f"final loss {losses[-1][1]:.5f}, held-out success {rate:.0%} of {len(HELD_OUT_SEEDS)} "
-          f"uninterrupted routes; wrote {args.out}")
+          f"uninterrupted routes; the delta rule by {rule}; wrote {args.out}")
     return 0
 
 
