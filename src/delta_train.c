@@ -7,11 +7,14 @@
  *
  * The forward keeps every state S_0 .. S_t, so that the backward walks the steps in reverse
  * without inverting the decay (a factor near zero would make that unstable). Each sequence-head
- * is one thread's alone from start to end, so the bytes do not depend on the thread count.
+ * is one thread's alone from start to end, and every thread works in the caller's floating-point
+ * mode (fp_mode.h), so the bytes do not depend on the thread count.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fp_mode.h"
 
 #define MAX_DIM 256   /* dk and dv at most: the per-step vectors live on the stack */
 
@@ -31,40 +34,48 @@ int flashrt_delta_train_forward(const float *q, const float *k, const float *v, 
     if (threads < 1)
         threads = 1;
     const long area = dk * dv;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long h = 0; h < n; h++) {
-        float *s = states + h * (t + 1) * area;
-        memset(s, 0, (size_t)area * sizeof(float));
-        for (long i = 0; i < t; i++) {
-            const long at = h * t + i;
-            const float *qi = q + at * dk, *ki = k + at * dk, *vi = v + at * dv;
-            const float a = expf(g[at]), b = beta[at];
-            const float *prev = s + i * area;
-            float *next = s + (i + 1) * area, *o = out + at * dv;
-            float delta[MAX_DIM];
-            for (long j = 0; j < dv; j++)
-                delta[j] = 0.0f;
-            for (long r = 0; r < dk; r++)
+    const fp_mode mode = get_fp_mode();
+#pragma omp parallel num_threads(threads)
+    {
+        const fp_mode own = get_fp_mode();
+        set_fp_mode(mode);
+#pragma omp for schedule(static)
+        for (long h = 0; h < n; h++) {
+            float *s = states + h * (t + 1) * area;
+            memset(s, 0, (size_t)area * sizeof(float));
+            for (long i = 0; i < t; i++) {
+                const long at = h * t + i;
+                const float *qi = q + at * dk, *ki = k + at * dk, *vi = v + at * dv;
+                const float a = expf(g[at]), b = beta[at];
+                const float *prev = s + i * area;
+                float *next = s + (i + 1) * area, *o = out + at * dv;
+                float delta[MAX_DIM];
                 for (long j = 0; j < dv; j++)
-                    delta[j] += prev[r * dv + j] * ki[r];
-            for (long j = 0; j < dv; j++) {
-                delta[j] = b * (vi[j] - a * delta[j]);
-                o[j] = 0.0f;
-            }
-            for (long r = 0; r < dk; r++)
+                    delta[j] = 0.0f;
+                for (long r = 0; r < dk; r++)
+                    for (long j = 0; j < dv; j++)
+                        delta[j] += prev[r * dv + j] * ki[r];
                 for (long j = 0; j < dv; j++) {
-                    const float x = a * prev[r * dv + j] + ki[r] * delta[j];
-                    next[r * dv + j] = x;
-                    o[j] += x * qi[r];
+                    delta[j] = b * (vi[j] - a * delta[j]);
+                    o[j] = 0.0f;
                 }
+                for (long r = 0; r < dk; r++)
+                    for (long j = 0; j < dv; j++) {
+                        const float x = a * prev[r * dv + j] + ki[r] * delta[j];
+                        next[r * dv + j] = x;
+                        o[j] += x * qi[r];
+                    }
+            }
         }
+        set_fp_mode(own);
     }
     return 0;
 }
 
 /* The gradients of a loss with respect to q, k, v, g and beta (dq .. dbeta, shaped as their
  * inputs, overwritten), given its gradient dout with respect to out and the states the forward
- * kept; the final state is taken to carry no gradient. Returns 0, or -1 as the forward does. */
+ * kept; the final state is taken to carry no gradient. Returns 0, -1 as the forward does, or -2
+ * when a thread could not allocate its work space (the gradients are then incomplete). */
 int flashrt_delta_train_backward(const float *q, const float *k, const float *v, const float *g,
                                  const float *beta, const float *states, const float *dout, float *dq,
                                  float *dk_out, float *dv_out, float *dg, float *dbeta, long n, long t,
@@ -74,9 +85,12 @@ int flashrt_delta_train_backward(const float *q, const float *k, const float *v,
     if (threads < 1)
         threads = 1;
     const long area = dk * dv;
+    const fp_mode mode = get_fp_mode();
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        const fp_mode own = get_fp_mode();
+        set_fp_mode(mode);
         float *ds = malloc((size_t)area * sizeof(float));   /* dLoss/dS for the state after step i */
         if (ds == NULL) {
 #pragma omp atomic write
@@ -144,6 +158,7 @@ int flashrt_delta_train_backward(const float *q, const float *k, const float *v,
             }
         }
         free(ds);
+        set_fp_mode(own);
     }
     return failed ? -2 : 0;
 }

@@ -137,7 +137,7 @@ def test_the_released_shape_benchmark_runs_the_sections_asked_for_alone():
     assert all(_finite(c) for c in result["checks"])
 
 
-def test_the_training_step_benchmark_runs_both_ways_on_the_same_batches():
+def test_the_training_step_benchmark_times_both_ways_and_puts_the_thread_count_back():
     from flashrt_ros.bench import training
 
     threads = torch.get_num_threads()

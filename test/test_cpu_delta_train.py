@@ -37,7 +37,8 @@ def test_the_build_installs_the_kernel():
     assert delta_train.available()
 
 
-@pytest.mark.parametrize("n, t, dk, dv", [(1, 1, 1, 1), (3, 5, 4, 3), (2, 17, 32, 32), (4, 9, 7, 33)])
+@pytest.mark.parametrize("n, t, dk, dv", [(1, 1, 1, 1), (3, 5, 4, 3), (2, 17, 32, 32), (4, 9, 7, 33),
+                                          (1, 2, delta_train.MAX_DIM, delta_train.MAX_DIM)])
 def test_the_kernel_gives_the_rule_and_its_gradients(n, t, dk, dv):
     q, k, v, a, b = _draws((n, t, dk), (n, t, dk), (n, t, dv), (n, t), (n, t), seed=n * t)
     k = k / k.norm(dim=-1, keepdim=True)
@@ -79,39 +80,77 @@ def test_it_computes_what_transformers_chunked_rule_does():
         assert torch.allclose(grad, ref, atol=1e-5)
 
 
-def test_the_bytes_do_not_depend_on_the_thread_count():
-    """One thread runs each sequence-head from start to end: the split changes no sum."""
+@pytest.mark.parametrize("flush", [False, True])
+def test_the_bytes_do_not_depend_on_the_thread_count(flush):
+    """One thread runs each sequence-head from start to end, in the caller's floating-point mode:
+    the split changes no sum, and with flush-to-zero on (as an engine leaves its thread) decays
+    small enough to be denormal are flushed on every worker alike."""
     def run():
-        out, final, grads = _transformers_call(delta_train.rule, seed=5)
-        return [out, final, *grads]
+        before = torch.set_flush_denormal(flush)
+        assert before or not flush, "this CPU cannot flush denormals"
+        try:
+            q, k, v, g, beta = _draws((6, 9, 8), (6, 9, 8), (6, 9, 4), (6, 9), (6, 9), seed=11)
+            g = torch.full_like(g, -90.0)   # exp(-90): a denormal decay
+            xs = [x.requires_grad_() for x in (q, k, v, g, beta.sigmoid().detach())]
+            out, final = delta_train._Rule.apply(*xs)
+            out.sum().backward()
+            return [out.detach(), final, *(x.grad for x in xs)]
+        finally:
+            torch.set_flush_denormal(False)
 
     first, *others = at_thread_counts(run)
     for other in others:
         assert all(torch.equal(x, y) for x, y in zip(first, other))
 
+    def rule_call():
+        out, final, grads = _transformers_call(delta_train.rule, seed=5)
+        return [out, final, *grads]
 
-@pytest.mark.parametrize("case", ["float64", "initial state", "wide heads"])
+    first, *others = at_thread_counts(rule_call)
+    for other in others:
+        assert all(torch.equal(x, y) for x, y in zip(first, other))
+
+
+@pytest.mark.parametrize("case", ["float64", "a bfloat16 key", "initial state", "wide heads", "packed"])
 def test_a_call_it_does_not_serve_is_refused_and_inside_the_block_goes_to_transformers(case, monkeypatch):
     q, k, v = _draws((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8))
-    g, beta, state = -torch.rand(1, 4, 2), torch.rand(1, 4, 2), None
+    g, beta, extra = -torch.rand(1, 4, 2), torch.rand(1, 4, 2), {"initial_state": None}
     if case == "float64":
         q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    elif case == "a bfloat16 key":
+        k = k.bfloat16()
     elif case == "initial state":
-        state = torch.zeros(1, 2, 8, 8)
-    else:
+        extra["initial_state"] = torch.zeros(1, 2, 8, 8)
+    elif case == "wide heads":
         q, k = _draws((1, 4, 2, delta_train.MAX_DIM + 1), (1, 4, 2, delta_train.MAX_DIM + 1))
-    with pytest.raises(ValueError, match="float32 CPU tensors and no initial state"):
-        delta_train.rule(q, k, v, g, beta, initial_state=state)
+    else:   # two sequences in one row: one recurrence over both would mix them
+        extra["cu_seqlens"] = torch.tensor([0, 2, 4])
+    with pytest.raises(ValueError, match="takes float32 CPU tensors"):
+        delta_train.rule(q, k, v, g, beta, **extra)
     seen = []
-    original = modeling.torch_chunk_gated_delta_rule
-    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule",
-                        lambda *a, **kw: seen.append(kw["initial_state"]) or original(*a, **kw))
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", lambda *a, **kw: seen.append(kw))
     with delta_train.replacing_transformers():
-        modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state)
+        modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **extra)
     assert len(seen) == 1
 
 
-def test_a_policy_trains_the_same_inside_the_block_and_transformers_is_itself_after_it():
+def test_tensors_that_do_not_fit_together_never_reach_the_kernel():
+    q, k, v, g, beta = _draws((2, 5, 4), (2, 5, 4), (2, 3, 4), (2, 5), (2, 5))
+    with pytest.raises(ValueError, match="v must be a contiguous float32 CPU tensor of shape"):
+        delta_train._Rule.apply(q, k, v, g, beta)
+    with pytest.raises(ValueError, match="k must be"):
+        delta_train._Rule.apply(q, k.bfloat16(), v, g, beta)
+
+
+def test_its_gradients_are_not_differentiated_again_in_silence():
+    xs = [x.requires_grad_() for x in _draws((1, 3, 4), (1, 3, 4), (1, 3, 4), (1, 3), (1, 3))]
+    out, _ = delta_train._Rule.apply(*xs)
+    (grad,) = torch.autograd.grad(out.sum(), xs[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
+
+
+def test_a_policy_trains_the_same_inside_the_block_and_transformers_is_itself_after_it(monkeypatch):
     """A step of the policy's model, its loss and gradients, with the kernel and without; the
     module's own function is back after the block, an error inside it included."""
     observations, target = _draws((2, 19, policy_config().obs_dim), (2, 19, policy_config().action_dim))
@@ -122,9 +161,13 @@ def test_a_policy_trains_the_same_inside_the_block_and_transformers_is_itself_af
         torch.nn.functional.mse_loss(actions(model, observations, 16), target).backward()
         return [p.grad for p in model.parameters()]
 
+    calls = []
+    counted = delta_train.rule
+    monkeypatch.setattr(delta_train, "rule", lambda *a, **kw: calls.append(1) or counted(*a, **kw))
     with delta_train.replacing_transformers() as used:
         assert used and modeling.torch_chunk_gated_delta_rule is not original
         ours = step()
+    assert len(calls) == policy_config().layer_types.count("linear_attention")   # each layer's, by the kernel
     assert modeling.torch_chunk_gated_delta_rule is original
     theirs = step()
     assert [g is None for g in ours] == [g is None for g in theirs]   # the embedding and lm head: unused

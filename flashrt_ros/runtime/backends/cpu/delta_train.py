@@ -18,6 +18,7 @@ import ctypes
 from typing import Any, Iterator
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import library
 
@@ -27,18 +28,21 @@ _FORWARD = library.kernel("delta_train_forward", [_P] * 7 + [_L] * 4 + [ctypes.c
 _BACKWARD = library.kernel("delta_train_backward", [_P] * 12 + [_L] * 4 + [ctypes.c_int], family="delta_train",
                            restype=ctypes.c_int)
 MAX_DIM = 256   # the C file's bound on a head's key and value widths
+# transformers' arguments for several sequences packed into one row; the kernel runs one sequence a row.
+_PACKING = ("cu_seqlens", "seq_idx")
 
 
 def available() -> bool:
     return _FORWARD is not None and _BACKWARD is not None
 
 
-def serves(query: torch.Tensor, value: torch.Tensor, initial_state: torch.Tensor | None) -> bool:
+def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, initial_state: torch.Tensor | None = None,
+           **packing: Any) -> bool:
     """Whether the kernel computes this call: float32 CPU tensors, a state that starts at zero,
-    heads of at most ``MAX_DIM``."""
-    return (available() and initial_state is None and query.device.type == "cpu" and value.device.type == "cpu"
-            and query.dtype == torch.float32 and value.dtype == torch.float32
-            and query.shape[-1] <= MAX_DIM and value.shape[-1] <= MAX_DIM)
+    heads of at most ``MAX_DIM``, sequences not packed into one row (``cu_seqlens``, ``seq_idx``)."""
+    return (available() and initial_state is None and all(packing.get(name) is None for name in _PACKING)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, key, value))
+            and key.shape[-1] <= MAX_DIM and value.shape[-1] <= MAX_DIM)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -54,17 +58,20 @@ class _Rule(torch.autograd.Function):
                 beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, t, dk = q.shape
         dv = v.shape[-1]
+        library.check_float_tensors("delta_train", {"q": (q, (n, t, dk)), "k": (k, (n, t, dk)), "v": (v, (n, t, dv)),
+                                                    "g": (g, (n, t)), "beta": (beta, (n, t))})
         out = torch.empty(n, t, dv)
         states = torch.empty(n, t + 1, dk, dv)
         code = _FORWARD[0](*map(_address, (q, k, v, g, beta, out, states)), n, t, dk, dv, torch.get_num_threads())
         if code:
             raise RuntimeError(f"delta_train_forward failed ({code}) on n={n}, t={t}, dk={dk}, dv={dv}")
         ctx.save_for_backward(q, k, v, g, beta, states)
-        final = states[:, t]
+        final = states[:, t].clone()   # not a view: a cache that keeps it must not keep every state
         ctx.mark_non_differentiable(final)
         return out, final
 
     @staticmethod
+    @once_differentiable   # the kernel's gradients are not themselves differentiable: say so, not lose terms
     def backward(ctx: Any, dout: torch.Tensor, _final: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         q, k, v, g, beta, states = ctx.saved_tensors
         n, t, dk = q.shape
@@ -84,14 +91,15 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-         use_qk_l2norm_in_kernel: bool = False, **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+         use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' ``torch_chunk_gated_delta_rule`` computed by the kernel: query, key
     [batch, steps, key heads, dk], value [batch, steps, value heads, dv], g (log decay) and beta
     [batch, steps, value heads]; each key head serves consecutive value heads. Returns the output
     [batch, steps, value heads, dv] and, if asked, the final state [batch, value heads, dk, dv].
     Only calls ``serves`` accepts (a chunk size does not apply: the rule runs step by step)."""
-    if not serves(query, value, initial_state):
-        raise ValueError("delta_train.rule takes float32 CPU tensors and no initial state, with the kernel built")
+    if not serves(query, key, value, initial_state, **kwargs):
+        raise ValueError("delta_train.rule takes float32 CPU tensors, heads of at most "
+                         f"{MAX_DIM}, no initial state and no packed sequences, with the kernel built")
     batch, steps, key_heads, dk = key.shape
     heads, dv = value.shape[-2:]
     query, key = (x.repeat_interleave(heads // key_heads, dim=2) for x in (query, key))
@@ -110,7 +118,8 @@ def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.T
 @contextlib.contextmanager
 def replacing_transformers() -> Iterator[bool]:
     """Within the block, transformers' Qwen3.5 linear-attention layers run ``rule`` for each call it
-    serves (their own chunked rule for the rest). Yields whether the kernel is built."""
+    serves (their own chunked rule for the rest). The module's function is swapped, so this holds
+    for every thread of the process while the block lasts. Yields whether the kernel is built."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
     original = modeling.torch_chunk_gated_delta_rule
@@ -120,7 +129,7 @@ def replacing_transformers() -> Iterator[bool]:
 
     def chosen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if serves(query, value, kwargs.get("initial_state")):
+        if serves(query, key, value, **kwargs):
             return rule(query, key, value, g, beta, **kwargs)
         return original(query, key, value, g=g, beta=beta, **kwargs)
 
