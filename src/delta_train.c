@@ -20,7 +20,11 @@
 
 int flashrt_delta_train_version(void) { return 1; }
 
-static int shapes_ok(long n, long t, long dk, long dv) {
+/* Whether the sizes are in range; a thread count below 1 becomes 1 (OpenMP leaves num_threads(0)
+ * undefined). */
+static int checked(long n, long t, long dk, long dv, int *threads) {
+    if (*threads < 1)
+        *threads = 1;
     return n >= 0 && t >= 0 && dk >= 1 && dv >= 1 && dk <= MAX_DIM && dv <= MAX_DIM;
 }
 
@@ -29,10 +33,8 @@ static int shapes_ok(long n, long t, long dk, long dv) {
 int flashrt_delta_train_forward(const float *q, const float *k, const float *v, const float *g,
                                 const float *beta, float *out, float *states, long n, long t, long dk,
                                 long dv, int threads) {
-    if (!shapes_ok(n, t, dk, dv))
+    if (!checked(n, t, dk, dv, &threads))
         return -1;
-    if (threads < 1)
-        threads = 1;
     const long area = dk * dv;
     const fp_mode mode = get_fp_mode();
 #pragma omp parallel num_threads(threads)
@@ -80,10 +82,8 @@ int flashrt_delta_train_backward(const float *q, const float *k, const float *v,
                                  const float *beta, const float *states, const float *dout, float *dq,
                                  float *dk_out, float *dv_out, float *dg, float *dbeta, long n, long t,
                                  long dk, long dv, int threads) {
-    if (!shapes_ok(n, t, dk, dv))
+    if (!checked(n, t, dk, dv, &threads))
         return -1;
-    if (threads < 1)
-        threads = 1;
     const long area = dk * dv;
     const fp_mode mode = get_fp_mode();
     int failed = 0;
