@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
+from ...gated_delta import l2_normalize
 from . import library
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
@@ -45,10 +46,6 @@ def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, initial_
             and key.shape[-1] <= MAX_DIM and value.shape[-1] <= MAX_DIM)
 
 
-def _address(t: torch.Tensor) -> int:
-    return t.data_ptr()
-
-
 class _Rule(torch.autograd.Function):
     """q, k [n, t, dk]; v [n, t, dv]; g, beta [n, t], all contiguous float32 -> out [n, t, dv] and
     the final state [n, dk, dv] (which carries no gradient)."""
@@ -62,7 +59,8 @@ class _Rule(torch.autograd.Function):
                                                     "g": (g, (n, t)), "beta": (beta, (n, t))})
         out = torch.empty(n, t, dv)
         states = torch.empty(n, t + 1, dk, dv)
-        code = _FORWARD[0](*map(_address, (q, k, v, g, beta, out, states)), n, t, dk, dv, torch.get_num_threads())
+        code = _FORWARD[0](*map(torch.Tensor.data_ptr, (q, k, v, g, beta, out, states)), n, t, dk, dv,
+                           torch.get_num_threads())
         if code:
             raise RuntimeError(f"delta_train_forward failed ({code}) on n={n}, t={t}, dk={dk}, dv={dv}")
         ctx.save_for_backward(q, k, v, g, beta, states)
@@ -78,15 +76,11 @@ class _Rule(torch.autograd.Function):
         dv = v.shape[-1]
         dout = dout.contiguous()
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
-        code = _BACKWARD[0](*map(_address, (q, k, v, g, beta, states, dout, *grads)), n, t, dk, dv,
+        code = _BACKWARD[0](*map(torch.Tensor.data_ptr, (q, k, v, g, beta, states, dout, *grads)), n, t, dk, dv,
                             torch.get_num_threads())
         if code:
             raise RuntimeError(f"delta_train_backward failed ({code}) on n={n}, t={t}, dk={dk}, dv={dv}")
         return tuple(grads)
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -104,7 +98,7 @@ def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.T
     heads, dv = value.shape[-2:]
     query, key = (x.repeat_interleave(heads // key_heads, dim=2) for x in (query, key))
     if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
+        query, key = l2_normalize(query), l2_normalize(key)   # transformers' eps too
     query = query * dk ** -0.5
 
     def rows(x: torch.Tensor) -> torch.Tensor:   # [batch, steps, heads, ...] -> [batch * heads, steps, ...]
