@@ -1,11 +1,13 @@
 """Page advice for large CPU buffers (Linux ``madvise``): transparent huge pages, and pages
 populated ahead of a fill.
 
-A decode step streams every weight once; with 4 KiB pages that costs a TLB
-miss every 4 KiB, against one every 2 MiB. The advice only helps pages not yet
-touched, so callers allocate, advise, then fill. For buffers made once, not on
-a request's path: with the kernel's default defrag setting a huge page's first
-fault may stall while the kernel compacts memory.
+Huge pages cost one TLB miss every 2 MiB of a buffer streamed through, against one every
+4 KiB: for the arena and the capsule pools, made once and copied to and from on every
+snapshot and restore. The advice only helps pages not yet touched, so callers allocate,
+advise, then fill. For buffers made once, not on a request's path: with the kernel's default
+defrag setting a huge page's first fault may stall while the kernel compacts memory, and in
+a VM that hands freed memory back to its host each fresh huge page costs more than its 512
+small ones (the weights stay on small pages for that reason: ``runtime.models.cast``).
 """
 from __future__ import annotations
 

@@ -122,6 +122,7 @@ def test_the_released_shape_benchmark_runs_end_to_end_on_a_small_shape():
     assert result["load"]["dtype"] == "torch.float32"   # a bf16 folder computes in fp32 on a CPU
     assert result["load"]["file_bytes"] > 0 and result["peak_rss_gib"] > 0
     assert result["load"]["cold_read_s"] > 0 and result["load"]["cold_load_s"] > 0   # from the disk, on Linux
+    assert all(result["load"][key] > 0 for key in ("fill_s", "huge_load_s", "decode_ms", "huge_decode_ms"))
     assert result["ttft"][0]["prefix"] == 64 and result["sizes"]["per_token"]
     assert all(result["draws"][f"{way}_ms"] > 0 for way in ("greedy", "sampled", "cut"))
     assert all(_finite(c) for c in result["checks"])

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashrt_ros.runtime.backends.cpu import transpose_cast
-from flashrt_ros.runtime.models.cast import Cast
+from flashrt_ros.runtime.models import cast as models_cast
+from flashrt_ros.runtime.models.cast import Cast, huge_pages
 from thread_counts import at_thread_counts
 
 
@@ -129,3 +130,16 @@ def test_parts_of_other_input_widths_are_refused_on_either_path():
         cast.t(*parts)
     with transpose_cast.disabled(), pytest.raises(ValueError, match="one input width"):
         cast.t(*parts)   # torch's copy would broadcast the narrow part
+
+
+def test_weights_built_on_huge_pages_are_the_same_bytes_and_the_switch_is_put_back():
+    """Pages are the kernel's business: the benchmark's huge-page load must build the same model."""
+    parts = [_matrix(48, 64, torch.bfloat16, 5), _matrix(16, 64, torch.bfloat16, 6)]
+    cast = Cast(torch.device("cpu"), torch.float32)
+    plain = cast.t(*parts)
+    with pytest.raises(RuntimeError, match="inside"):
+        with huge_pages(), huge_pages():
+            assert torch.equal(cast.t(*parts).view(torch.int32), plain.view(torch.int32))
+            assert torch.equal(cast(parts[0]), parts[0].float())
+            raise RuntimeError("inside")
+    assert models_cast._huge == 0   # both blocks closed, by the exception too

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import resource
 import tempfile
@@ -37,13 +38,15 @@ import torch
 
 from ..runtime import Engine, ModelConfig
 from ..runtime.backends.cpu import transpose_cast
+from ..runtime.models import cast
 from ..runtime.released import RELEASED
-from ..runtime.weights import save_checkpoint, seeded_weights
+from ..runtime.weights import expected_shapes, save_checkpoint, seeded_weights
 from . import capsules, runtime
 from .common import bench_main, interleaved, machine, positive_int, verdict
 
 PARITY_PROMPT = 16
 PARITY_TOKENS = 12
+PAGE_DECODE_TOKENS = 8
 
 
 def config_of(model: str) -> ModelConfig:
@@ -121,21 +124,43 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
                         pass
             return time.perf_counter() - start
 
-        def load(cold: bool, kernel: bool = True) -> float:
+        def load(cold: bool, kernel: bool = True, huge: bool = False) -> float:
             if cold:
                 evict(files)
-            with contextlib.nullcontext() if kernel else transpose_cast.disabled():
+            with contextlib.ExitStack() as switches:
+                if not kernel:
+                    switches.enter_context(transpose_cast.disabled())
+                if huge:
+                    switches.enter_context(cast.huge_pages())
                 start = time.perf_counter()
                 loaded().close()
                 return time.perf_counter() - start
 
+        def decode(huge: bool) -> float:
+            """ms per greedy token of an engine whose weights are on huge or ordinary pages."""
+            with cast.huge_pages() if huge else contextlib.nullcontext():
+                engine = loaded()
+            try:
+                engine.prefill(torch.arange(8) % cfg.vocab_size)
+                engine.generate(1)
+                start = time.perf_counter()
+                engine.generate(PAGE_DECODE_TOKENS)
+                return (time.perf_counter() - start) / PAGE_DECODE_TOKENS * 1e3
+            finally:
+                engine.close()
+
         read(False)
         engine = loaded()
         peak = peak_rss_gib()
+        weight_bytes = sum(math.prod(shape) for shape in expected_shapes(cfg).values()) \
+            * torch.empty((), dtype=dtype).element_size()   # the built weights: a tied head is the embedding
         engine.close()
         fns: dict[str, Callable[[], float]] = {"read": lambda: read(False), "load": lambda: load(False)}
         if dtype == torch.float32 and transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0)):
             fns["torch_load"] = lambda: load(False, kernel=False)
+        if torch.device(device).type == "cpu":
+            fns |= {"fill": lambda: fresh_fill(weight_bytes), "huge_load": lambda: load(False, huge=True),
+                    "decode": lambda: decode(False), "huge_decode": lambda: decode(True)}
         if evict(files):
             fns |= {"cold_read": lambda: read(True), "cold_load": lambda: load(True)}
         t = interleaved(fns, rounds)
@@ -146,12 +171,33 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
               f"({t['cold_load'] / t['cold_read']:.2f}x)")
     print(f"  from the page cache: read in {t['read']:.3f} s, loaded in {t['load']:.2f} s "
           f"({t['load'] / t['read']:.2f}x)")
+    if "fill" in t:
+        reading, loading = t.get("cold_read", t["read"]), t.get("cold_load", t["load"])
+        print(f"  fresh memory: filling {weight_bytes / 2**30:.2f} GiB of new pages (the built weights' size) takes "
+              f"{t['fill']:.2f} s here; with the reading {reading + t['fill']:.2f} s, and the load "
+              f"{loading / (reading + t['fill']):.2f}x of that")
+        print(f"  weights on 4 KiB pages against transparent huge pages: loaded in {t['load']:.2f} against "
+              f"{t['huge_load']:.2f} s ({t['huge_load'] / t['load']:.2f}x), decoding at {t['decode']:.1f} against "
+              f"{t['huge_decode']:.1f} ms/token ({t['decode'] / t['huge_decode']:.2f}x), from the page cache")
     if "torch_load" in t:
         print(f"  the weights transposed and cast by the package's kernel: loaded in {t['load']:.2f} s, by torch's "
               f"copies in {t['torch_load']:.2f} s ({t['torch_load'] / t['load']:.2f}x), from the page cache")
     return {"file_bytes": nbytes, "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
             "cold_load_s": t.get("cold_load"), "torch_load_s": t.get("torch_load"), "dtype": str(dtype),
-            "peak_rss_gib": peak}
+            "peak_rss_gib": peak, "weight_bytes": weight_bytes, "fill_s": t.get("fill"), "huge_load_s": t.get("huge_load"),
+            "decode_ms": t.get("decode"), "huge_decode_ms": t.get("huge_decode")}
+
+
+def fresh_fill(nbytes: int) -> float:
+    """Seconds to allocate and write ``nbytes`` of new memory in 256 MiB pieces, all held until
+    the end, as a load holds its weights: what a load pays for memory however its bytes are
+    written (a VM that hands freed memory back to its host charges for every fresh page)."""
+    start = time.perf_counter()
+    held = [torch.empty(min(256 << 20, nbytes - at), dtype=torch.uint8).fill_(1)
+            for at in range(0, nbytes, 256 << 20)]
+    elapsed = time.perf_counter() - start
+    del held
+    return elapsed
 
 
 def parity(cfg: ModelConfig) -> dict:

@@ -5,8 +5,8 @@
 Both run in this one process, on the same ``ModelConfig.bench()`` checkpoint
 (written to a temp folder and loaded by each), interleaved round by round.
 transformers' decode is its cached forward called one token at a time (no
-``generate`` overhead). Its weights are copied into huge-page buffers, as this
-engine's are (``from_pretrained`` maps the file, on 4 KiB pages). The limit is
+``generate`` overhead). Its weights are copied off the file's memory map into
+the process's own memory, where this engine's are too. The limit is
 the weight bytes one decode step reads divided by the memcpy bandwidth of one
 plain copy of 256 MiB, bytes moved (read plus written), measured in the same
 rounds.
@@ -42,7 +42,6 @@ from typing import Callable
 
 import torch
 
-from ..hugepages import empty_huge
 from ..runtime import Engine, ModelConfig
 from ..runtime.projection import Projection
 from ..runtime.weights import save_checkpoint, seeded_weights
@@ -56,8 +55,8 @@ def _hf_model(path: str, device: torch.device):
     transformers.logging.set_verbosity_error()
     model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     with torch.no_grad():
-        for param in model.parameters():   # off the file's memory map, onto huge pages like ours
-            param.data = empty_huge(param.shape, param.dtype, param.device).copy_(param.data)
+        for param in model.parameters():   # off the file's memory map, like ours
+            param.data = param.data.clone()
     return model
 
 
@@ -241,7 +240,7 @@ def run(device: str = "cpu", prompt: int = 512, tokens: int = 32, rounds: int = 
     weight_bytes = engine.model.weight_bytes_per_token()
     limit = weight_bytes / bandwidth
 
-    print(f"runtime benchmark on {machine()}" + ("; both engines' weights on huge pages" if dev.type == "cpu" else ""))
+    print(f"runtime benchmark on {machine()}")
     if dev.type == "cuda":
         print(f"  transformers' linear attention: {_hf_kernels()}")
     print(f"  model: {label}, fp32, prompt {prompt} tokens, {tokens} decode tokens, {rounds} rounds (medians)")

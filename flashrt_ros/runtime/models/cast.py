@@ -1,8 +1,18 @@
 """Checkpoint weights onto the device, in the compute dtype and the runtime's layout: every
-projection [in, out], fused along out."""
+projection [in, out], fused along out.
+
+On a CPU the weights go on ordinary 4 KiB pages. Transparent huge pages made no difference to a
+decode step at the released sizes (which stream their weights from memory), while faulting in a
+load's gigabytes of them cost more than the reading in a VM that returns freed memory to its
+host; ``bench.released`` times both in one run (``huge_pages``). The arena and the capsule pools,
+made once and copied to and from on every snapshot, keep them.
+"""
 from __future__ import annotations
 
+import contextlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import torch
 
@@ -12,6 +22,22 @@ from ..projection import Projection
 
 _STRIPED = 1 << 22        # elements: a matrix at least this large is transposed in stripes (``_turn``)
 _STRIPE_BYTES = 2 << 20   # one stripe of the stored matrix: enough stripes to keep every thread busy
+_switch = threading.Lock()
+_huge = 0   # how many ``huge_pages`` blocks are open, in any thread
+
+
+@contextlib.contextmanager
+def huge_pages() -> Iterator[None]:
+    """Weights built meanwhile, in any thread, go on transparent huge pages: for the benchmark
+    that loads and decodes both ways. Blocks may nest."""
+    global _huge
+    with _switch:
+        _huge += 1
+    try:
+        yield
+    finally:
+        with _switch:
+            _huge -= 1
 
 
 class Cast:
@@ -20,8 +46,14 @@ class Cast:
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
 
+    def empty(self, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        """An uninitialised weight buffer on the device, in the compute dtype."""
+        if _huge:
+            return empty_huge(shape, self.dtype, self.device)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return empty_huge(t.shape, self.dtype, self.device).copy_(t.detach())
+        return self.empty(t.shape).copy_(t.detach())
 
     def t(self, *parts: torch.Tensor) -> torch.Tensor:
         """Fuse [out, in] matrices along out and store the result as [in, out]. On a device,
@@ -36,7 +68,7 @@ class Cast:
         parts = tuple(p.detach() for p in parts)
         if any(p.dim() != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
             raise ValueError(f"fused parts must be matrices of one input width, got {[tuple(p.shape) for p in parts]}")
-        out = empty_huge((parts[0].shape[1], sum(p.shape[0] for p in parts)), self.dtype, self.device)
+        out = self.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)))
         if self.device.type != "cpu":
             # The stored matrix crosses as it is (one contiguous copy); the device transposes
             # and casts it, not one host thread.
@@ -52,7 +84,7 @@ class Cast:
         """Each [out, in] matrix of a stack [n, out, in] (an MoE layer's experts) as [in, out],
         the way ``t`` stores one."""
         stack = stack.detach()
-        out = empty_huge((stack.shape[0], stack.shape[2], stack.shape[1]), self.dtype, self.device)
+        out = self.empty((stack.shape[0], stack.shape[2], stack.shape[1]))
         if self.device.type != "cpu":
             return out.copy_(stack.to(self.device).transpose(1, 2))
         for matrix, turned in zip(stack, out):
