@@ -7,11 +7,13 @@ side in one run.
 The shape is ``runtime.released.RELEASED[model]`` (its published config.json); the weights are
 seeded, so nothing is downloaded. In order, each step freeing what it made:
 1. load: ``Engine.from_pretrained`` of a bf16 checkpoint folder (a CPU computes in fp32, a GPU
-   keeps bf16) / reading its files once, interleaved, both from the disk (the files' pages
-   dropped from the page cache before each: the speed of the disk, target <= 2) and both from
-   the page cache (what the load costs beyond reading); on a CPU with the package's library, the
-   same load with torch's copies in place of its transposing cast; the peak resident memory once
-   loaded;
+   keeps bf16), each in a fresh process as a node loads, against reading its files once,
+   interleaved: both from the disk (the files' pages dropped from the page cache before each:
+   the speed of the disk, target <= 2) and both from the page cache (what the load costs beyond
+   reading). On a CPU, side by side with these: the same load with torch's copies in place of
+   the package's transposing cast; with the weights on transparent huge pages, and decoding on
+   them; and filling fresh memory of the built weights' size (what a load spends beyond reading
+   on this machine, however its bytes are written). The peak resident memory once loaded;
 2. parity with transformers (fp32, same weights): the largest difference of the prompt's last
    logits, and greedy tokens compared one by one;
 3. prefill and decode tokens/s against transformers, and decode against the weight-bandwidth
@@ -26,9 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,7 +51,7 @@ from .common import bench_main, interleaved, machine, positive_int, verdict
 
 PARITY_PROMPT = 16
 PARITY_TOKENS = 12
-PAGE_DECODE_TOKENS = 8
+PAGE_DECODE_TOKENS = 16   # timed after as many again: a new engine's first steps run slow
 
 
 def config_of(model: str) -> ModelConfig:
@@ -94,12 +99,6 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
     load ends once the device has its weights."""
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
-    def loaded() -> Engine:
-        engine = Engine.from_pretrained(folder, device=device, dtype=dtype, max_seq_len=64)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        return engine
-
     with tempfile.TemporaryDirectory() as folder:   # TMPDIR; on tmpfs only the page-cache figures are taken
         weights = {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()}
         save_checkpoint(folder, cfg, weights)
@@ -109,6 +108,12 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
             with open(f, "rb") as stream:
                 os.fsync(stream.fileno())
         nbytes = sum(f.stat().st_size for f in files)
+
+        def loaded() -> Engine:
+            engine = Engine.from_pretrained(folder, device=device, dtype=dtype, max_seq_len=64)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            return engine
 
         buffer = memoryview(bytearray(16 << 20))
 
@@ -127,14 +132,8 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
         def load(cold: bool, kernel: bool = True, huge: bool = False) -> float:
             if cold:
                 evict(files)
-            with contextlib.ExitStack() as switches:
-                if not kernel:
-                    switches.enter_context(transpose_cast.disabled())
-                if huge:
-                    switches.enter_context(cast.huge_pages())
-                start = time.perf_counter()
-                loaded().close()
-                return time.perf_counter() - start
+            return in_fresh_process({"load": folder, "device": device, "dtype": str(dtype), "kernel": kernel,
+                                     "huge": huge})
 
         def decode(huge: bool) -> float:
             """ms per greedy token of an engine whose weights are on huge or ordinary pages."""
@@ -142,7 +141,7 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
                 engine = loaded()
             try:
                 engine.prefill(torch.arange(8) % cfg.vocab_size)
-                engine.generate(1)
+                engine.generate(PAGE_DECODE_TOKENS)
                 start = time.perf_counter()
                 engine.generate(PAGE_DECODE_TOKENS)
                 return (time.perf_counter() - start) / PAGE_DECODE_TOKENS * 1e3
@@ -159,13 +158,13 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
         if dtype == torch.float32 and transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0)):
             fns["torch_load"] = lambda: load(False, kernel=False)
         if torch.device(device).type == "cpu":
-            fns |= {"fill": lambda: fresh_fill(weight_bytes), "huge_load": lambda: load(False, huge=True),
+            fns |= {"fill": lambda: in_fresh_process({"fill": weight_bytes}), "huge_load": lambda: load(False, huge=True),
                     "decode": lambda: decode(False), "huge_decode": lambda: decode(True)}
         if evict(files):
             fns |= {"cold_read": lambda: read(True), "cold_load": lambda: load(True)}
         t = interleaved(fns, rounds)
     print(f"  load: {nbytes / 2**30:.2f} GiB bf16 folder onto {device}, computing in "
-          f"{str(dtype).removeprefix('torch.')}; peak RSS {peak:.2f} GiB")
+          f"{str(dtype).removeprefix('torch.')}, each load in a fresh process; peak RSS {peak:.2f} GiB")
     if "cold_read" in t:
         print(f"  from the disk: read in {t['cold_read']:.2f} s, loaded in {t['cold_load']:.2f} s "
               f"({t['cold_load'] / t['cold_read']:.2f}x)")
@@ -188,16 +187,44 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
             "decode_ms": t.get("decode"), "huge_decode_ms": t.get("huge_decode")}
 
 
-def fresh_fill(nbytes: int) -> float:
-    """Seconds to allocate and write ``nbytes`` of new memory in 256 MiB pieces, all held until
-    the end, as a load holds its weights: what a load pays for memory however its bytes are
-    written (a VM that hands freed memory back to its host charges for every fresh page)."""
+def in_fresh_process(job: dict) -> float:
+    """Seconds that ``timed_once(job)`` measures in a new interpreter. A node loads its model once,
+    as it starts; a second load in one process reuses the memory the first one freed, which is
+    cheaper than fresh memory by a factor that varies from machine to machine (a VM that hands
+    freed memory back to its host charges for every fresh page, more for a huge one)."""
+    child = "import json, sys; from flashrt_ros.bench.released import timed_once; print(timed_once(json.loads(sys.argv[1])))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(Path(__file__).parents[2]),
+                                                                     os.environ.get("PYTHONPATH")))))
+    done = subprocess.run([sys.executable, "-c", child, json.dumps(job)], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"the timed {next(iter(job))} failed in its process: {done.stderr.strip()[-2000:]}")
+    return float(done.stdout.split()[-1])
+
+
+def timed_once(job: dict) -> float:
+    """``{"load": folder, "device", "dtype", "kernel", "huge"}``: seconds until the engine has its
+    weights (with torch's copies in place of the transposing cast unless ``kernel``; on huge
+    pages if ``huge``). ``{"fill": nbytes}``: seconds to allocate and write that much new memory
+    in 256 MiB pieces, all held to the end as a load holds its weights: what a load pays for
+    memory however its bytes are written."""
     start = time.perf_counter()
-    held = [torch.empty(min(256 << 20, nbytes - at), dtype=torch.uint8).fill_(1)
-            for at in range(0, nbytes, 256 << 20)]
-    elapsed = time.perf_counter() - start
-    del held
-    return elapsed
+    if "fill" in job:
+        held = [torch.empty(min(256 << 20, job["fill"] - at), dtype=torch.uint8).fill_(1)
+                for at in range(0, job["fill"], 256 << 20)]
+        elapsed = time.perf_counter() - start
+        del held
+        return elapsed
+    with contextlib.ExitStack() as switches:
+        if not job["kernel"]:
+            switches.enter_context(transpose_cast.disabled())
+        if job["huge"]:
+            switches.enter_context(cast.huge_pages())
+        start = time.perf_counter()
+        engine = Engine.from_pretrained(job["load"], device=job["device"],
+                                        dtype=getattr(torch, job["dtype"].removeprefix("torch.")), max_seq_len=64)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        return time.perf_counter() - start
 
 
 def parity(cfg: ModelConfig) -> dict:
