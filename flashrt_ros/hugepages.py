@@ -6,7 +6,7 @@ Huge pages cost one TLB miss every 2 MiB of a buffer streamed through, against o
 snapshot and restore. The advice only helps pages not yet touched, so callers allocate,
 advise, then fill. For buffers made once, not on a request's path: with the kernel's default
 defrag setting a huge page's first fault may stall while the kernel compacts memory, and in
-a VM that hands freed memory back to its host each fresh huge page costs more than its 512
+a VM that hands freed memory back to its host a fresh huge page can cost more than its 512
 small ones (the weights stay on small pages for that reason: ``runtime.models.cast``).
 """
 from __future__ import annotations

@@ -123,9 +123,38 @@ def test_the_released_shape_benchmark_runs_end_to_end_on_a_small_shape():
     assert result["load"]["file_bytes"] > 0 and result["peak_rss_gib"] > 0
     assert result["load"]["cold_read_s"] > 0 and result["load"]["cold_load_s"] > 0   # from the disk, on Linux
     assert all(result["load"][key] > 0 for key in ("fill_s", "huge_load_s", "decode_ms", "huge_decode_ms"))
+    assert result["load"]["torch_load_s"] > 0   # the library is built (test_cpu_transpose_cast checks that)
     assert result["ttft"][0]["prefix"] == 64 and result["sizes"]["per_token"]
     assert all(result["draws"][f"{way}_ms"] > 0 for way in ("greedy", "sampled", "cut"))
     assert all(_finite(c) for c in result["checks"])
+
+
+@pytest.mark.parametrize("kernel, huge", [(True, False), (False, True)])
+def test_a_timed_load_builds_the_way_it_is_asked_to(tmp_path, monkeypatch, kernel, huge):
+    from flashrt_ros.bench import released
+    from flashrt_ros.runtime import ModelConfig
+    from flashrt_ros.runtime.backends.cpu import transpose_cast
+    from flashrt_ros.runtime.models import cast
+    from flashrt_ros.runtime.weights import save_checkpoint, seeded_weights
+
+    cfg = ModelConfig.tiny()
+    save_checkpoint(tmp_path, cfg, {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg).items()})
+    calls = {"kernel": 0, "huge": 0}
+    into, empty_huge = transpose_cast.into, cast.empty_huge
+    monkeypatch.setattr(transpose_cast, "into", lambda *a: calls.update(kernel=calls["kernel"] + 1) or into(*a))
+    monkeypatch.setattr(cast, "empty_huge", lambda *a: calls.update(huge=calls["huge"] + 1) or empty_huge(*a))
+    job = {"load": str(tmp_path), "device": "cpu", "dtype": "torch.float32", "kernel": kernel, "huge": huge}
+    assert released.timed_once(job) > 0
+    assert (calls["kernel"] > 0, calls["huge"] > 0) == (kernel, huge)
+    assert cast._huge == 0 and transpose_cast._off == 0   # the switches put back
+
+
+def test_a_timed_load_that_fails_in_its_process_says_why(tmp_path):
+    from flashrt_ros.bench import released
+
+    job = {"load": str(tmp_path / "absent"), "device": "cpu", "dtype": "torch.float32", "kernel": True, "huge": False}
+    with pytest.raises(RuntimeError, match="(?s)failed in its process.*CheckpointError.*is not a folder"):
+        released.in_fresh_process(job)
 
 
 def test_the_released_shape_benchmark_runs_the_sections_asked_for_alone():

@@ -132,14 +132,21 @@ def test_parts_of_other_input_widths_are_refused_on_either_path():
         cast.t(*parts)   # torch's copy would broadcast the narrow part
 
 
-def test_weights_built_on_huge_pages_are_the_same_bytes_and_the_switch_is_put_back():
-    """Pages are the kernel's business: the benchmark's huge-page load must build the same model."""
+def test_weights_go_on_huge_pages_only_inside_the_switch_with_the_same_bytes(monkeypatch):
+    """Pages are the kernel's business: the benchmark's huge-page load must build the same model,
+    and the switch must be put back, by an exception too."""
+    asked = []
+    real = models_cast.empty_huge
+    monkeypatch.setattr(models_cast, "empty_huge", lambda *args: asked.append(args[0]) or real(*args))
     parts = [_matrix(48, 64, torch.bfloat16, 5), _matrix(16, 64, torch.bfloat16, 6)]
     cast = Cast(torch.device("cpu"), torch.float32)
     plain = cast.t(*parts)
+    assert not asked
     with pytest.raises(RuntimeError, match="inside"):
         with huge_pages(), huge_pages():
             assert torch.equal(cast.t(*parts).view(torch.int32), plain.view(torch.int32))
             assert torch.equal(cast(parts[0]), parts[0].float())
+            assert asked == [(64, 64), (48, 64)]   # the fused projection [in, out], then the plain cast
             raise RuntimeError("inside")
-    assert models_cast._huge == 0   # both blocks closed, by the exception too
+    cast.t(*parts)
+    assert len(asked) == 2 and models_cast._huge == 0   # both blocks closed

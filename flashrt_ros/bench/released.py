@@ -52,6 +52,8 @@ from .common import bench_main, interleaved, machine, positive_int, verdict
 PARITY_PROMPT = 16
 PARITY_TOKENS = 12
 PAGE_DECODE_TOKENS = 16   # timed after as many again: a new engine's first steps run slow
+_TIMED = "flashrt-timed"   # marks the line a child reports its seconds on
+_CHILD_TIMEOUT_S = 1800   # a child that hangs fails the bench rather than stalling it
 
 
 def config_of(model: str) -> ModelConfig:
@@ -154,11 +156,14 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
         weight_bytes = sum(math.prod(shape) for shape in expected_shapes(cfg).values()) \
             * torch.empty((), dtype=dtype).element_size()   # the built weights: a tied head is the embedding
         engine.close()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()   # the children's loads get the device's memory, not this cache
         fns: dict[str, Callable[[], float]] = {"read": lambda: read(False), "load": lambda: load(False)}
         if dtype == torch.float32 and transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0)):
             fns["torch_load"] = lambda: load(False, kernel=False)
         if torch.device(device).type == "cpu":
-            fns |= {"fill": lambda: in_fresh_process({"fill": weight_bytes}), "huge_load": lambda: load(False, huge=True),
+            fns |= {"fill": lambda: in_fresh_process({"fill": weight_bytes}),
+                    "huge_load": lambda: load(False, huge=True),
                     "decode": lambda: decode(False), "huge_decode": lambda: decode(True)}
         if evict(files):
             fns |= {"cold_read": lambda: read(True), "cold_load": lambda: load(True)}
@@ -175,7 +180,8 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
         print(f"  fresh memory: filling {weight_bytes / 2**30:.2f} GiB of new pages (the built weights' size) takes "
               f"{t['fill']:.2f} s here; with the reading {reading + t['fill']:.2f} s, and the load "
               f"{loading / (reading + t['fill']):.2f}x of that")
-        print(f"  weights on 4 KiB pages against transparent huge pages: loaded in {t['load']:.2f} against "
+        print(f"  weights on torch.empty's pages against transparent huge pages asked for ({thp_settings()}): "
+              f"loaded in {t['load']:.2f} against "
               f"{t['huge_load']:.2f} s ({t['huge_load'] / t['load']:.2f}x), decoding at {t['decode']:.1f} against "
               f"{t['huge_decode']:.1f} ms/token ({t['decode'] / t['huge_decode']:.2f}x), from the page cache")
     if "torch_load" in t:
@@ -183,8 +189,22 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
               f"copies in {t['torch_load']:.2f} s ({t['torch_load'] / t['load']:.2f}x), from the page cache")
     return {"file_bytes": nbytes, "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
             "cold_load_s": t.get("cold_load"), "torch_load_s": t.get("torch_load"), "dtype": str(dtype),
-            "peak_rss_gib": peak, "weight_bytes": weight_bytes, "fill_s": t.get("fill"), "huge_load_s": t.get("huge_load"),
-            "decode_ms": t.get("decode"), "huge_decode_ms": t.get("huge_decode")}
+            "peak_rss_gib": peak, "weight_bytes": weight_bytes, "fill_s": t.get("fill"),
+            "huge_load_s": t.get("huge_load"), "decode_ms": t.get("decode"), "huge_decode_ms": t.get("huge_decode")}
+
+
+def thp_settings() -> str:
+    """The system's transparent huge page settings: with ``enabled`` at ``always`` torch.empty
+    gets huge pages too; with ``defrag`` at ``madvise`` or ``always`` an advised fault may wait
+    while the kernel compacts memory."""
+    chosen = []
+    for knob in ("enabled", "defrag"):
+        try:
+            text = Path(f"/sys/kernel/mm/transparent_hugepage/{knob}").read_text()
+        except OSError:
+            return "no transparent huge pages here"
+        chosen.append(f"{knob} {text[text.find('[') + 1:text.find(']')] if '[' in text else text.strip()}")
+    return ", ".join(chosen)
 
 
 def in_fresh_process(job: dict) -> float:
@@ -192,13 +212,17 @@ def in_fresh_process(job: dict) -> float:
     as it starts; a second load in one process reuses the memory the first one freed, which is
     cheaper than fresh memory by a factor that varies from machine to machine (a VM that hands
     freed memory back to its host charges for every fresh page, more for a huge one)."""
-    child = "import json, sys; from flashrt_ros.bench.released import timed_once; print(timed_once(json.loads(sys.argv[1])))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(Path(__file__).parents[2]),
-                                                                     os.environ.get("PYTHONPATH")))))
-    done = subprocess.run([sys.executable, "-c", child, json.dumps(job)], capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise RuntimeError(f"the timed {next(iter(job))} failed in its process: {done.stderr.strip()[-2000:]}")
-    return float(done.stdout.split()[-1])
+    child = ("import json, sys; from flashrt_ros.bench.released import timed_once; "
+             f"print({_TIMED!r}, timed_once(json.loads(sys.argv[1])))")
+    package_root = str(Path(__file__).parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH")))))
+    done = subprocess.run([sys.executable, "-c", child, json.dumps(job)], capture_output=True, text=True, env=env,
+                          timeout=_CHILD_TIMEOUT_S)
+    said = [line.split()[1] for line in done.stdout.splitlines() if line.startswith(_TIMED + " ")]
+    if done.returncode or not said:
+        raise RuntimeError(f"the timed {next(iter(job))} failed in its process (exit {done.returncode}): "
+                           f"{(done.stderr.strip() or done.stdout.strip())[-2000:]}")
+    return float(said[-1])
 
 
 def timed_once(job: dict) -> float:
@@ -212,9 +236,7 @@ def timed_once(job: dict) -> float:
         start = time.perf_counter()
         held = [torch.empty(min(256 << 20, job["fill"] - at), dtype=torch.uint8).fill_(1)
                 for at in range(0, job["fill"], 256 << 20)]
-        elapsed = time.perf_counter() - start
-        del held
-        return elapsed
+        return time.perf_counter() - start   # ``held``, all of it, lives until the clock is read
     with contextlib.ExitStack() as switches:
         if not job["kernel"]:
             switches.enter_context(transpose_cast.disabled())
@@ -223,12 +245,12 @@ def timed_once(job: dict) -> float:
         if torch.device(job["device"]).type == "cuda":
             torch.zeros(1, device=job["device"])
             torch.cuda.synchronize(job["device"])
+        dtype = getattr(torch, job["dtype"].removeprefix("torch."))
         start = time.perf_counter()
-        engine = Engine.from_pretrained(job["load"], device=job["device"],
-                                        dtype=getattr(torch, job["dtype"].removeprefix("torch.")), max_seq_len=64)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        return time.perf_counter() - start
+        with Engine.from_pretrained(job["load"], device=job["device"], dtype=dtype, max_seq_len=64) as engine:
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            return time.perf_counter() - start
 
 
 def parity(cfg: ModelConfig) -> dict:

@@ -1,11 +1,13 @@
 """Checkpoint weights onto the device, in the compute dtype and the runtime's layout: every
 projection [in, out], fused along out.
 
-On a CPU the weights go on ordinary 4 KiB pages. Transparent huge pages made no difference to a
-decode step at the released sizes (which stream their weights from memory), while faulting in a
-load's gigabytes of them cost more than the reading in a VM that returns freed memory to its
-host; ``bench.released`` times both in one run (``huge_pages``). The arena and the capsule pools,
-made once and copied to and from on every snapshot, keep them.
+On a CPU the weights go on the pages ``torch.empty`` gets (small ones unless the system's
+transparent huge pages are set to ``always``), without asking for huge ones: a decode step
+streams its weights from memory, where fewer TLB misses gain little, while a load faults in
+gigabytes of fresh weights at once, and a fresh huge page can cost more than its small ones (in
+a VM that hands freed memory back to its host). ``bench.released`` times both ways in one run
+(``huge_pages``). The arena and the capsule pools, made once and copied to and from on every
+snapshot and restore, ask for huge pages.
 """
 from __future__ import annotations
 
