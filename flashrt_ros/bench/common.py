@@ -60,9 +60,9 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 def copy_pair(nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Source and destination for a baseline copy of ``nbytes``, every page written first:
     an untouched CPU buffer reads as the kernel's one shared zero page, which stays in cache
-    and made copies from it up to 1.5x too fast. On huge pages, as the arena and the capsule pools
-are: the best bandwidth the machine gives, so a limit drawn from it (decode's, whose weights
-are on small pages) is the strict one."""
+    and made copies from it up to 1.5x too fast. On huge pages, as the arena and the capsule
+    pools are: the best bandwidth the machine gives, so a limit drawn from it (decode's, whose
+    weights are on small pages) is the strict one."""
     src = empty_huge((nbytes,), torch.uint8, device).fill_(1)
     return src, empty_huge((nbytes,), torch.uint8, device).fill_(2)
 
