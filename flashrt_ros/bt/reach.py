@@ -1,6 +1,6 @@
 """The reaching task in the simulation, as a behaviour tree over ROS (py_trees):
 
-  give the goal -> start the episode -> goal taken in -> snapshot -> jam the shoulder ->
+  give the goal -> goal delivered -> start the episode -> goal taken in -> snapshot -> jam the shoulder ->
   attempt, or else (free the joint, restore the snapshot, attempt again) -> drop the snapshot
 
 The simulated arm (``flashrt_sim``, lockstep) and the policy node (``flashrt_node`` with
@@ -25,6 +25,7 @@ import py_trees
 from geometry_msgs.msg import PoseStamped
 from py_trees.common import Status
 from py_trees.composites import Selector, Sequence as Seq
+from rclpy.duration import Duration
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import JointState
 from std_srvs.srv import SetBool, Trigger
@@ -135,6 +136,14 @@ def give_goal(world: World) -> Until:
                   then=publish)
 
 
+def delivered(name: str, publisher: Any, timeout_s: float = 10.0) -> Until:
+    """SUCCESS once every subscriber of ``publisher`` (reliable) has acknowledged what it was
+    given. The goal and the arm's first state reach the policy node from two processes, with
+    no order between them: a state that came first would be answered without the goal, and
+    the arm would take that command before the episode's first step."""
+    return Until(name, lambda: publisher.wait_for_all_acked(Duration(seconds=0)), timeout_s=timeout_s)
+
+
 def goal_taken_in(world: World) -> Until:
     """SUCCESS once the policy has answered its first observation of the episode (the goal step)."""
     return Until("goal taken in", lambda: world.commands >= 1)
@@ -176,6 +185,7 @@ def reach_with_retry(node: Any, server: str = "/flashrt", sim: str = "/flashrt_s
     first, second = Attempt("attempt", world), Attempt("retry", world)
     root = Seq("reach, with a rollback on failure", memory=True, children=[
         give_goal(world),
+        delivered("goal delivered", world.goal_out),
         SimCall("start the episode", world.reset, Trigger.Request()),
         goal_taken_in(world),
         Snapshot("snapshot: goal taken in", node, "goal_taken_in", pin=True, server=server),
