@@ -179,13 +179,78 @@ def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(r
         stop()
 
 
-def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_time(ros_context):
+def test_a_held_sim_node_steps_no_more_once_the_state_out_is_answered_until_the_next_reset(ros_context):
     from rclpy.parameter import Parameter
     from sensor_msgs.msg import JointState
+    from std_srvs.srv import Trigger
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
     import rclpy
 
     from flashrt_ros.ros.sim_node import SimNode
+    from ros_harness import wait_future
+
+    sim = SimNode(context=ros_context, parameter_overrides=[Parameter("lockstep", value=True),
+                                                            Parameter("lockstep_patience", value=0.0)])
+    client = rclpy.create_node("sim_hold_client", context=ros_context)
+    states = []
+    client.create_subscription(JointState, "/joint_states", states.append, 50)
+    commands = client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
+    reset = client.create_client(Trigger, "/flashrt_sim/reset")
+    hold = client.create_client(Trigger, "/flashrt_sim/hold")
+    stop = _spin(ros_context, sim, client)
+
+    def answer() -> None:
+        msg = JointTrajectory(joint_names=list(JOINT_NAMES),
+                              points=[JointTrajectoryPoint(positions=list(states[-1].position))])
+        msg.header.stamp = states[-1].header.stamp
+        commands.publish(msg)
+
+    def until(predicate, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not predicate():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    try:
+        assert hold.wait_for_service(timeout_sec=10) and reset.wait_for_service(timeout_sec=10)
+        until(lambda: commands.get_subscription_count() > 0, "matched")
+        before = wait_future(hold.call_async(Trigger.Request()))
+        assert before.success and "held" in before.message   # nothing out yet: held at once
+        assert wait_future(reset.call_async(Trigger.Request())).success
+        until(lambda: len(states) == 1, "the episode's first state")
+        answer()
+        until(lambda: len(states) == 2, "the next state")
+        # The state out awaits its answer: not held yet, and asking again changes nothing.
+        for _ in range(2):
+            waiting = wait_future(hold.call_async(Trigger.Request()))
+            assert not waiting.success and "waiting for the answer to the state at t=0.050" in waiting.message
+        answer()   # taken, but time stands still: no state goes out
+        until(lambda: wait_future(hold.call_async(Trigger.Request())).success, "held once answered")
+        time.sleep(0.3)
+        assert len(states) == 2 and sim.arm.state().time == pytest.approx(0.05)
+        answer()   # an answer to a state already answered steps nothing either
+        time.sleep(0.3)
+        assert len(states) == 2 and sim.unanswered == 0
+        # The next reset starts the episode and the loop again.
+        assert wait_future(reset.call_async(Trigger.Request())).success
+        until(lambda: len(states) == 3, "the new episode's first state")
+        answer()
+        until(lambda: len(states) == 4, "a step after the reset")
+        assert (states[-1].header.stamp.sec, states[-1].header.stamp.nanosec) == (0, 50_000_000)
+    finally:
+        stop()
+
+
+def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_time_and_stands_still_held(ros_context):
+    from rclpy.parameter import Parameter
+    from sensor_msgs.msg import JointState
+    from std_srvs.srv import Trigger
+
+    import rclpy
+
+    from flashrt_ros.ros.sim_node import SimNode
+    from ros_harness import wait_future
 
     sim = SimNode(context=ros_context, parameter_overrides=[Parameter("speed", value=10.0)])
     client = rclpy.create_node("sim_timer_client", context=ros_context)
@@ -199,6 +264,20 @@ def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_tim
             time.sleep(0.01)
         stamps = [s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 for s in states[-10:]]
         assert all(abs((b - a) - 0.05) < 1e-9 for a, b in zip(stamps, stamps[1:]))   # one period each
+        # Held, the timer steps nothing (no state awaits an answer: held at once) until a reset.
+        hold = client.create_client(Trigger, "/flashrt_sim/hold")
+        reset = client.create_client(Trigger, "/flashrt_sim/reset")
+        assert hold.wait_for_service(timeout_sec=10) and reset.wait_for_service(timeout_sec=10)
+        assert wait_future(hold.call_async(Trigger.Request())).success
+        time.sleep(0.1)   # a state already out arrives
+        n = len(states)
+        time.sleep(0.3)   # six periods at 10x
+        assert len(states) == n
+        assert wait_future(reset.call_async(Trigger.Request())).success
+        deadline = time.monotonic() + 10
+        while len(states) < n + 5:
+            assert time.monotonic() < deadline, "the timer steps again after the reset"
+            time.sleep(0.01)
     finally:
         stop()
 

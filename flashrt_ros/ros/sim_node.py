@@ -23,7 +23,13 @@ stamp is not read, so in lockstep it answers nothing.
 Services: ~/reset (std_srvs/Trigger) starts the episode of parameter ``seed`` (of the task
 ``task``: the reaching task's, or the waypoint task's route) at rest, and says how many states
 were stepped unanswered and commands refused since the node started; ~/jam
-(std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it. Each answers
+(std_srvs/SetBool) holds joint1 where it is (the disturbance), or frees it; ~/hold
+(std_srvs/Trigger) stops time until the next ~/reset: no state goes out meanwhile. In lockstep
+a hold is done once the state out has been answered (its command's targets are taken, and time
+does not go on) or stepped unanswered after the patience; until then ~/hold answers
+success=false, "waiting for ...", and is asked again. A task giver that starts the next episode
+holds first: then every state of the episode before has been answered, and the new task reaches
+a policy that has nothing of the old episode left to answer. Each service answers
 success=false with the reason rather than raise.
 
 Parameters (``PARAMS``: each number with its range, ``frame_id`` not empty, checked at start
@@ -86,7 +92,8 @@ class SimNode(Node):
         self.arm = Arm()
         self.refused = self.unanswered = 0
         self._lock = threading.Lock()
-        self._state: ArmState | None = None
+        self._state: ArmState | None = None   # the latest state out; in lockstep, the one awaiting an answer
+        self._holding = False   # ~/hold: time stands still until the next ~/reset
         self._published_at = 0.0   # wall clock (monotonic) of the last state published
         self._joints = self.create_publisher(JointState, "joint_states", 10)
         self._pose = self.create_publisher(PoseStamped, "ee_pose", 10)
@@ -97,6 +104,7 @@ class SimNode(Node):
         self.create_subscription(JointTrajectory, "joint_trajectory", self._on_raw_command, 10, raw=True)
         self.create_service(Trigger, "~/reset", self._on_reset)
         self.create_service(SetBool, "~/jam", self._on_jam)
+        self.create_service(Trigger, "~/hold", self._on_hold)
         speed = float(self.get_parameter("speed").value)
         self._lockstep = bool(self.get_parameter("lockstep").value)
         patience = float(self.get_parameter("lockstep_patience").value)
@@ -114,6 +122,7 @@ class SimNode(Node):
         episode = Route.sample(seed) if self._task == "route" else Episode.sample(seed)
         with self._lock:
             state = self.arm.reset(episode.start)
+            self._holding = False
             if self._task == "route":
                 route = PoseArray(poses=[_pose(p) for p in episode.waypoints])
                 route.header.frame_id, route.header.stamp = frame, stamp_of(0.0)
@@ -132,6 +141,17 @@ class SimNode(Node):
         # unanswered is a control period the policy never saw.
         return _answer(response, self._reset, f"episode seed {seed} at rest; since the start, {self.unanswered} "
                                               f"states stepped unanswered and {self.refused} commands refused")
+
+    def _on_hold(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        with self._lock:
+            self._holding = True
+            # Lockstep: the state out awaits its answer; the hold is done once it came.
+            waiting = self._state if self._lockstep else None
+            now = self.arm.state().time
+        response.success = waiting is None
+        response.message = (f"held at t={now:.3f} s until the next ~/reset" if waiting is None else
+                            f"waiting for the answer to the state at t={waiting.time:.3f} s; ask again")
+        return response
 
     def _on_jam(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
         def jam() -> None:
@@ -164,7 +184,7 @@ class SimNode(Node):
                 self.arm.command(target)
             answers = self._state is not None and msg.header.stamp == stamp_of(self._state.time)
             if self._lockstep and answers:   # refused or not, the policy answered: time goes on
-                self._advance()
+                self._advance()   # (or, held, stands still)
 
     def _unanswered(self, patience: float) -> None:
         """Lockstep: a state the policy has not answered within ``patience`` s of wall clock (an
@@ -175,7 +195,7 @@ class SimNode(Node):
             self.unanswered += 1
             self.get_logger().warning(f"no command answered the state at t={self._state.time:.2f} s within "
                                       f"{patience:g} s: stepping with the targets held", throttle_duration_sec=2.0)
-            self._advance()
+            self._advance()   # (or, held, standing still)
 
     def _check(self, msg: JointTrajectory) -> Any:
         if not msg.points:
@@ -199,7 +219,11 @@ class SimNode(Node):
             self._advance()
 
     def _advance(self) -> None:
-        """One control period, and the state it ends in published (the caller holds the lock)."""
+        """One control period, and the state it ends in published (the caller holds the lock);
+        held, nothing: no state awaits an answer any more."""
+        if self._holding:
+            self._state = None
+            return
         self._state = self.arm.advance()
         self._publish(self._state)
 
