@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("rclpy")
 
 from flashrt_ros.errors import ErrorCode  # noqa: E402
+from flashrt_ros.msg import CapsuleEvent  # noqa: E402
 from ros_harness import Harness  # noqa: E402
 
 JOINTS = ["joint1", "joint2", "joint3"]
@@ -100,11 +101,13 @@ def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context)
     try:
         journal = Journal()
         h.node.session.journal = journal
-        commands = []
+        commands, events = [], []
         heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 50)
+        said = h.client.create_subscription(CapsuleEvent, "/flashrt/events", events.append, 50)
         routes = h.client.create_publisher(PoseArray, "/flashrt/route", 10)
         joints, poses = h.policy_publishers()
-        _until(lambda: routes.get_subscription_count() > 0 and heard.get_publisher_count() > 0, what="matched")
+        _until(lambda: routes.get_subscription_count() > 0 and heard.get_publisher_count() > 0
+               and said.get_publisher_count() > 0, what="matched")
 
         def step(t: float) -> None:
             pose, state = _messages(h, t)
@@ -122,7 +125,11 @@ def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context)
             pose.position.x, pose.position.y = x, y
             route.poses.append(pose)
         routes.publish(route)
-        _until(lambda: h.node.engine.position == 0, what="the route restores the episode start")
+        # The restore goes out on ~/events, once the route is taken: what a task giver waits for.
+        _until(lambda: any(e.kind == "restore" for e in events), what="the episode start's restore event")
+        started = [e for e in events if e.kind == "restore"]
+        assert len(started) == 1 and started[0].success and started[0].capsule.name == "episode-start"
+        assert started[0].position == 0 and "~/route" in started[0].message and "2 pose(s)" in started[0].message
         for k in range(3):
             step(10.0 + k)
         steps = [e for e in journal.entries if e.kind == "step"]
@@ -133,14 +140,21 @@ def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context)
         routes.publish(PoseArray(header=route.header))   # no poses: refused, the episode goes on
         _until(lambda: h.node.report.counters["rejected_observations"] > rejected, what="a refusal")
         assert h.node.engine.position == 3
+
+        # The episode-start capsule dropped by a client: a route is refused, said on ~/events with
+        # the restore's error code, and the live state is untouched.
+        h.node.session.drop(started[0].capsule.id)
+        routes.publish(route)
+        _until(lambda: len([e for e in events if e.kind == "restore"]) == 2, what="the refused restore's event")
+        refused = [e for e in events if e.kind == "restore"][-1]
+        assert not refused.success and refused.error_code == ErrorCode.UNKNOWN_CAPSULE and refused.message
+        assert h.node.engine.position == 3
     finally:
         h.close()
 
 
 def test_a_full_context_is_said_once_with_context_full(ros_context):
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-
-    from flashrt_ros.msg import CapsuleEvent
 
     h = Harness(ros_context, {**GOAL_MODE, "policy.goal": False, "policy.obs_dim": 15, "max_seq_len": 16,
                               "status_rate": 20.0})

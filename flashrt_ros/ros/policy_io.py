@@ -15,7 +15,9 @@ Out: ~/action (JointTrajectoryPoint, the action vector as the engine gave it) an
 
 With ``policy.goal`` each goal or route starts an episode: the state is restored from the capsule made
 at configure, before anything was committed ("episode-start", pinned), so that a robot can run
-for hours while every episode's context stays within max_seq_len. When the state is full
+for hours while every episode's context stays within max_seq_len. The restore goes out on
+~/events like any other (kind restore; refused, with its error code): a task giver that waits
+for it knows the goal was taken, and that the next joint state is the first to get it. When the state is full
 anyway, the step is refused with CONTEXT_FULL, said once per filling on ~/events and at ERROR
 on /diagnostics, until a restore, rollback or goal frees it.
 """
@@ -31,6 +33,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
+from ..capsule import CapsuleInfo
 from ..errors import ContextFull, FlashRTError, InvalidArgument
 from ..serving import Session
 from ..serving.observation import paired, with_goal
@@ -47,8 +50,10 @@ class PolicyIO:
     the lifecycle node's (``~`` is its)."""
 
     def __init__(self, node: Any, vals: dict[str, Any], record: Callable[[str, Any], None],
-                 on_full: Callable[[str], None], on_step: Callable[[], None], on_reject: Callable[[], None]) -> None:
-        self._node, self._record, self._on_full = node, record, on_full
+                 on_full: Callable[[str], None], on_step: Callable[[], None], on_reject: Callable[[], None],
+                 on_episode: Callable[[CapsuleInfo | None, int, str], None]) -> None:
+        """``on_episode(info, error_code, message)``: an episode-start restore, done (code 0) or refused."""
+        self._node, self._record, self._on_full, self._on_episode = node, record, on_full, on_episode
         self._on_step, self._on_reject = on_step, on_reject
         self.joint_names = list(vals["policy.joint_names"])
         self.max_pose_age = float(vals["policy.max_pose_age"])
@@ -66,13 +71,14 @@ class PolicyIO:
                               lambda trace: node.get_logger().error(f"policy callback failed:\n{trace}"))
         self._io = self._side.node
         topic = node.resolve_topic_name
-        # The pose first: an executor that finds both waiting takes them in the order they were
-        # made, and a joint state is paired with the latest pose taken.
+        # An executor that finds several waiting takes them in the order they were made: the pose
+        # first, as a joint state is paired with the latest pose taken; a goal or route before the
+        # joint state, as it is given for the states that follow it.
         self._io.create_subscription(PoseStamped, topic("~/ee_pose"), self._on_pose, qos)
-        self._io.create_subscription(JointState, topic("~/joint_states"), self._on_joint_state, qos)
         if self._goal_mode:
             self._io.create_subscription(PoseStamped, topic("~/goal"), self._on_goal, 10)
             self._io.create_subscription(PoseArray, topic("~/route"), self._on_route, 10)
+        self._io.create_subscription(JointState, topic("~/joint_states"), self._on_joint_state, qos)
         self._action = self._io.create_publisher(JointTrajectoryPoint, topic("~/action"), 10)
         self._trajectory = (self._io.create_publisher(JointTrajectory, topic("~/joint_trajectory"), 10)
                             if vals["policy.action_dim"] == len(self.joint_names) else None)
@@ -123,14 +129,18 @@ class PolicyIO:
             self._reject(f"{topic} refused: a position is not finite")
             return
         try:
-            session.restore(self._episode_id)
+            info = session.restore(self._episode_id)
         except FlashRTError as exc:   # the capsule dropped by a client, say: the live state is untouched
             self._reject(f"{topic} refused: {outcome(exc)[1]}")
+            self._on_episode(None, *outcome(exc))
             return
         except Exception as exc:  # a goal must never take the node down
             self._node.get_logger().error(f"{topic} failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
+            self._on_episode(None, *outcome(exc))
             return
         self._goals, self._full = deque(goals), False
+        self._on_episode(info, 0, f"{topic} started an episode from capsule {EPISODE_CAPSULE}: "
+                                  f"{len(goals)} pose(s) for the next steps")
 
     def _on_joint_state(self, msg: JointState) -> None:
         self._record("~/joint_states", msg)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from rclpy.clock import Clock, ClockType
 
-from ..capsule import signing
+from ..capsule import CapsuleInfo, signing
 from ..errors import ErrorCode, InvalidArgument
 from ..msg import JournalSession
 from ..replay.session import session_of
@@ -84,7 +84,7 @@ class Served:
             except Exception as exc:
                 raise ConfigureFailed(f"journal_path: {outcome(exc)[1]}") from exc
         self.policy = PolicyIO(node, vals, node.record, self._context_full, node.policy_stepped,
-                               lambda: node.report.count("rejected_observations"))
+                               lambda: node.report.count("rejected_observations"), self._episode_restored)
         try:
             self.policy.start_episodes(self.session)
         except Exception as exc:
@@ -149,6 +149,11 @@ class Served:
         node.report.event("context_full", None, Unasked(position=self.engine.position, message=why, success=False,
                                                         error_code=int(ErrorCode.CONTEXT_FULL)))
         node.report.dirty.set()
+
+    def _episode_restored(self, info: CapsuleInfo | None, error_code: int, message: str) -> None:
+        """A goal or route restored the episode-start capsule (or could not): a restore event."""
+        self._node.report.event("restore", info, Unasked(position=self.engine.position, message=message,
+                                                         success=not error_code, error_code=error_code))
 
     def close(self) -> None:
         """Destroy what was made, close the bag, free the engine. The node no longer hands this out
