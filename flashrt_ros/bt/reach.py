@@ -1,13 +1,16 @@
 """The reaching task in the simulation, as a behaviour tree over ROS (py_trees):
 
-  give the goal -> goal delivered -> start the episode -> goal taken in -> snapshot -> jam the shoulder ->
-  attempt, or else (free the joint, restore the snapshot, attempt again) -> drop the snapshot
+  hold the arm -> give the goal -> goal taken -> start the episode -> goal taken in -> snapshot ->
+  jam the shoulder -> attempt, or else (free the joint, restore the snapshot, attempt again) ->
+  drop the snapshot
 
 The simulated arm (``flashrt_sim``, lockstep) and the policy node (``flashrt_node`` with
 policy.goal) run the loop between them: every joint state the arm publishes is one policy step,
 every JointTrajectory the policy answers with is one control period. The tree only gives the
 goal, watches the arm and calls the capsule services. An attempt fails when the end effector
 is not within ``SUCCESS_RADIUS_M`` of the goal ``ATTEMPT_STEPS`` control periods after it began.
+The goal is for the episode's first state: the arm is held first (a pair that served an episode
+before still runs its loop), and the episode starts once the node has taken the goal (``taken``).
 
 python -m flashrt_ros.bt.reach [--server /flashrt] [--sim /flashrt_sim] runs it once against a
 live pair and prints each attempt's outcome.
@@ -31,10 +34,39 @@ from sensor_msgs.msg import JointState
 from std_srvs.srv import SetBool, Trigger
 from trajectory_msgs.msg import JointTrajectory
 
+from ..msg import CapsuleEvent
+from ..ros.policy_io import EPISODE_CAPSULE
 from ..sim.task import ATTEMPT_STEPS, SUCCESS_RADIUS_M
 from .behaviours import Drop, Restore, Snapshot
 
 _LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reliability=ReliabilityPolicy.RELIABLE)
+
+
+class EpisodeStarts:
+    """The policy node's episode starts, counted: its restores of the episode-start capsule on
+    ~/events, each a goal or route it took (``ros.policy_io``)."""
+
+    def __init__(self, node: Any, server: str) -> None:
+        self.count = 0
+        self._given = 0   # the count when a goal or route last went out
+        self._events = node.create_subscription(CapsuleEvent, f"{server}/events", self._on_event,
+                                                QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+
+    def _on_event(self, msg: CapsuleEvent) -> None:
+        if msg.kind == CapsuleEvent.KIND_RESTORE and msg.success and msg.capsule.name == EPISODE_CAPSULE:
+            self.count += 1
+
+    def heard(self) -> bool:
+        """Whether the node's ~/events is matched: an event published before would be lost."""
+        return self._events.get_publisher_count() > 0
+
+    def give(self) -> None:
+        """A goal or route goes out now."""
+        self._given = self.count
+
+    def since_given(self) -> bool:
+        """Whether an episode started since the last ``give``."""
+        return self.count > self._given
 
 
 class World:
@@ -43,6 +75,7 @@ class World:
 
     def __init__(self, node: Any, sim: str, server: str) -> None:
         self.node = node
+        self.starts = EpisodeStarts(node, server)
         self.goal: PoseStamped | None = None
         self.periods = 0      # joint states the arm has published this episode
         self.period_at: list[float] = []   # when each came (monotonic s): the loop's pace
@@ -54,6 +87,7 @@ class World:
         node.create_subscription(JointTrajectory, f"{server}/joint_trajectory", self._on_command, 100)
         self.goal_out = node.create_publisher(PoseStamped, f"{server}/goal", 10)
         self.reset = node.create_client(Trigger, f"{sim}/reset")
+        self.hold = node.create_client(Trigger, f"{sim}/hold")
         self.jam = node.create_client(SetBool, f"{sim}/jam")
 
     def _on_goal(self, msg: PoseStamped) -> None:
@@ -78,27 +112,37 @@ class World:
 
 class SimCall(py_trees.behaviour.Behaviour):
     """A std_srvs call to the simulation, made once its service is there; SUCCESS on its
-    answer's success, FAILURE on a refusal or after ``timeout_s``."""
+    answer's success, FAILURE on a refusal or after ``timeout_s``. With ``again``, a refusal is
+    asked again until ``timeout_s``: for a call that says "not yet" (the simulation's ~/hold)."""
 
-    def __init__(self, name: str, client: Any, request: Any, timeout_s: float = 10.0) -> None:
+    def __init__(self, name: str, client: Any, request: Any, timeout_s: float = 10.0, again: bool = False) -> None:
         super().__init__(name)
-        self.client, self.request, self.timeout_s = client, request, timeout_s
+        self.client, self.request, self.timeout_s, self.again = client, request, timeout_s, again
         self._future = None
         self._deadline = 0.0
 
     def initialise(self) -> None:
-        self._future = None
+        self._future, self._refusal = None, ""
         self._deadline = time.monotonic() + self.timeout_s
 
     def update(self) -> Status:
         if self._future is None and self.client.service_is_ready():
             self._future = self.client.call_async(self.request)
-        if self._future is None or not self._future.done():
-            if time.monotonic() > self._deadline:
-                self.feedback_message = f"{self.client.srv_name}: no answer within {self.timeout_s:g} s"
+        if self._future is not None and self._future.done():
+            answer = self._future.result()
+            if answer.success:
+                return Status.SUCCESS
+            self._refusal = answer.message
+            if not self.again:
+                self.feedback_message = f"{self.client.srv_name}: {answer.message}"
                 return Status.FAILURE
-            return Status.RUNNING
-        return Status.SUCCESS if self._future.result().success else Status.FAILURE
+            self._future = None   # asked again at the next tick
+        if time.monotonic() > self._deadline:
+            self.feedback_message = f"{self.client.srv_name}: " + (
+                f"still {self._refusal!r} after {self.timeout_s:g} s" if self._refusal
+                else f"no answer within {self.timeout_s:g} s")
+            return Status.FAILURE
+        return Status.RUNNING
 
     def terminate(self, new_status: Status) -> None:
         if new_status == Status.INVALID and self._future is not None and not self._future.done():
@@ -130,18 +174,24 @@ def give_goal(world: World) -> Until:
     policy's commands are counted from here."""
     def publish() -> None:
         world.commands = 0
+        world.starts.give()
         world.goal_out.publish(world.goal)
 
-    return Until("give the goal", lambda: world.goal is not None and world.goal_out.get_subscription_count() > 0,
-                  then=publish)
+    return Until("give the goal", lambda: world.goal is not None and world.goal_out.get_subscription_count() > 0
+                 and world.starts.heard(), then=publish)
 
 
-def delivered(name: str, publisher: Any, timeout_s: float = 10.0) -> Until:
-    """SUCCESS once every subscriber of ``publisher`` (reliable) has acknowledged what it was
-    given. The goal and the arm's first state reach the policy node from two processes, with
-    no order between them: a state that came first would be answered without the goal, and
-    the arm would take that command before the episode's first step."""
-    return Until(name, lambda: publisher.wait_for_all_acked(Duration(seconds=0)), timeout_s=timeout_s)
+def taken(name: str, starts: EpisodeStarts, publisher: Any, timeout_s: float = 10.0) -> Until:
+    """SUCCESS once the policy node has taken what ``publisher`` gave it (a goal or a route): its
+    episode start came on ~/events since ``starts.give``. Or once every subscriber has
+    acknowledged it: the node takes a goal or route before a joint state found waiting with it,
+    so a state sent after the acknowledgement comes after the task too (the acknowledgement
+    waits for the writer's next heartbeat, the event does not). Without this wait, the task and
+    the arm's first state reach the node from two processes, in no set order: a state that came
+    first would be answered without the task, and the arm would take that command before the
+    episode's first step."""
+    return Until(name, lambda: starts.since_given() or publisher.wait_for_all_acked(Duration(seconds=0)),
+                 timeout_s=timeout_s)
 
 
 def goal_taken_in(world: World) -> Until:
@@ -184,8 +234,9 @@ def reach_with_retry(node: Any, server: str = "/flashrt", sim: str = "/flashrt_s
     world = World(node, sim, server)
     first, second = Attempt("attempt", world), Attempt("retry", world)
     root = Seq("reach, with a rollback on failure", memory=True, children=[
+        SimCall("hold the arm", world.hold, Trigger.Request(), again=True),
         give_goal(world),
-        delivered("goal delivered", world.goal_out),
+        taken("goal taken", world.starts, world.goal_out),
         SimCall("start the episode", world.reset, Trigger.Request()),
         goal_taken_in(world),
         Snapshot("snapshot: goal taken in", node, "goal_taken_in", pin=True, server=server),

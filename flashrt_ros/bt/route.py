@@ -1,7 +1,7 @@
 """The waypoint task in the simulation, interrupted and resumed, as a behaviour tree over ROS:
 
-  give the route -> start the episode -> Interruptible(follow the route,
-                                                       urgent: go to the operator's point and hold)
+  hold the arm -> give the route -> route taken -> start the episode ->
+      Interruptible(follow the route, urgent: go to the operator's point and hold)
 
 The simulated arm (``flashrt_sim`` with task "route", lockstep) and the policy node
 (``flashrt_node`` with policy.goal) run the loop between them: every joint state is one policy
@@ -11,7 +11,12 @@ per step on the first steps of the episode); the operator's request arrives as t
 policy as a goal, which the node serves in a fresh context (the episode-start capsule). The tree
 judges visits from the end effector's pose, as ``sim.waypoints.Progress`` does in process. The
 tree draws the episode's route from its seed (``sim.waypoints.Route``), as the simulation draws
-the arm's start: the route must reach the policy before the arm's first state does.
+the arm's start. The route's first pose is for the episode's first state, so between episodes
+the loop is stopped first: the simulation holds (``~/hold``: done once the policy has answered
+the last state out), then the route goes out, then the episode starts once the policy node has
+taken the route (``reach.taken``). Without the hold, a state of the episode before could take
+the route's first pose, and without the wait the new episode's first state could reach the
+policy before its route.
 
 ``resume="full"`` is the pattern (``bt.interruptible``): a snapshot when the request arrives, a
 restore when it is served. ``resume="none"`` serves it the same way with no snapshot and no
@@ -34,7 +39,7 @@ from std_srvs.srv import Trigger
 from ..sim.interruption import URGENT_MAX_PERIODS
 from ..sim.waypoints import PERIODS_PER_WAYPOINT, VISIT_RADIUS_M, Route
 from .interruptible import Interruptible
-from .reach import SimCall, Until
+from .reach import EpisodeStarts, SimCall, Until, taken
 
 INTERRUPT_KEY = "interrupt"
 
@@ -56,6 +61,8 @@ class RouteWorld:
         self.route_out = node.create_publisher(PoseArray, f"{server}/route", 10)
         self.goal_out = node.create_publisher(PoseStamped, f"{server}/goal", 10)
         self.reset = node.create_client(Trigger, f"{sim}/reset")
+        self.hold = node.create_client(Trigger, f"{sim}/hold")
+        self.starts = EpisodeStarts(node, server)
 
     def new_episode(self, route: Route) -> None:
         """The episode of ``route``: nothing visited, nothing seen yet."""
@@ -176,10 +183,11 @@ def _pose(point: Any) -> Pose:
 def give_route(world: RouteWorld) -> Until:
     """Publish the episode's route to the policy, once (it starts the policy's episode)."""
     def publish() -> None:
+        world.starts.give()
         world.route_out.publish(world.route)
 
-    return Until("give the route", lambda: world.route is not None and world.route_out.get_subscription_count() > 0,
-                  then=publish)
+    return Until("give the route", lambda: world.route is not None and world.route_out.get_subscription_count() > 0
+                 and world.starts.heard(), then=publish)
 
 
 class StartEpisode(SimCall):
@@ -207,8 +215,9 @@ def route_episode(node: Any, world: RouteWorld, operator: Operator, point: Any, 
             _UntilInterrupt(follow), urgent, FollowRoute("follow the route again", world)])
     else:
         raise ValueError(f"resume over ROS is 'full' or 'none', got {resume!r}")
-    root = Seq("waypoint episode", memory=True, children=[give_route(world),
-                                                        StartEpisode(world, operator), served])
+    root = Seq("waypoint episode", memory=True, children=[
+        SimCall("hold the arm", world.hold, Trigger.Request(), again=True), give_route(world),
+        taken("route taken", world.starts, world.route_out), StartEpisode(world, operator), served])
     return root, follow, urgent
 
 

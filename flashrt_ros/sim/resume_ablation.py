@@ -50,7 +50,7 @@ def median_periods(values: list[int | None]) -> str:
 class Result:
     seeds: range
     runs: dict[str, list[Resumed]]   # per resume, one per seed
-    uninterrupted: int               # of the same routes, run without the interruption, done in time
+    uninterrupted: list[bool]        # per seed: its route run without the interruption, done in time
 
     def table(self) -> str:
         n = len(self.seeds)
@@ -58,7 +58,7 @@ class Result:
         history = [r.history for r in full]
         left = [r.remaining for r in full]
         lines = [f"resume after an urgent request, N={n} interrupted routes (seeds {self.seeds.start}-"
-                 f"{self.seeds.stop - 1}); the same routes uninterrupted: {self.uninterrupted}/{n} done",
+                 f"{self.seeds.stop - 1}); the same routes uninterrupted: {sum(self.uninterrupted)}/{n} done",
                  f"  at the interruption: history {int(np.median(history))} observations (median; "
                  f"{min(history)}-{max(history)}), waypoints left 1/2/3: "
                  f"{left.count(1)}/{left.count(2)}/{left.count(3)}"
@@ -83,11 +83,11 @@ class Result:
 def run(policy: str | Path = DEFAULT_OUT, seeds: range = ABLATION_SEEDS) -> Result:
     arm = Arm()
     runs: dict[str, list[Resumed]] = {resume: [] for resume in RESUMES}
-    uninterrupted = 0
+    uninterrupted = []
     with open_policy(policy) as engine:
         for seed in seeds:
             episode = Interrupted.sample(seed, arm)
-            uninterrupted += run_route(engine, arm, episode.route).success
+            uninterrupted.append(run_route(engine, arm, episode.route).success)
             for resume in RESUMES:
                 runs[resume].append(run_interrupted(engine, arm, episode, resume))
     return Result(seeds, runs, uninterrupted)
