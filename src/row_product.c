@@ -8,8 +8,8 @@
  * a row gives the same bytes alone or among others (batch invariance, which lets a verify over
  * several rows match single-row steps bit for bit), fmaf rounds once wherever it runs (one
  * instruction, or glibc's exact fallback), and the vector width only changes how many outputs
- * advance together, never any output's order. Threads take whole slabs, so with two each streams
- * one contiguous half of W once, for all m rows.
+ * advance together, never any output's order. Threads take whole slabs, so with two each reads
+ * one half of W once, for all m rows.
  */
 #include <stddef.h>
 
@@ -23,39 +23,55 @@
 #define SLABS 8
 #define ROWS 8     /* rows of W folded into one pass over a partial row: it is read and written once per ROWS */
 #define MAX_M 8    /* rows of x in one call: the partials are SLABS * m * n floats */
+#define CHUNK 256  /* outputs every row of x takes in turn from one block of W: ROWS * CHUNK floats, read
+                      once from memory and then from L1 for the other rows */
+#define TILE 32768 /* partial floats (all m rows) one pass over a slab's rows keeps: in L2, however wide W */
 
-/* One slab for every row of x, compiled twice on x86 (see fma_loops.h). */
+/* One slab for every row of x, compiled twice on x86 (see fma_loops.h). The outputs are taken in
+ * tiles of whole chunks, so the partials a tile keeps stay in cache while its columns of the
+ * slab stream past; within a tile, each block of ROWS rows of W is read once for all m rows.
+ * Every output still sums the slab's rows in order. */
 #define SLAB_PRODUCT(NAME, ATTRIBUTES)                                                          \
     ATTRIBUTES static void NAME(const float *restrict x, long ldx, long m, const float *restrict w, \
                                 float *restrict partial, long rows, long n) {                   \
         for (long j = 0; j < m * n; j++)                                                        \
             partial[j] = 0.0f;                                                                  \
-        long i = 0;                                                                             \
-        for (; i + ROWS <= rows; i += ROWS) {                                                   \
-            const float *restrict block = w + i * n;                                            \
-            for (long q = 0; q < m; q++) {                                                      \
-                float xs[ROWS];                                                                 \
-                for (int r = 0; r < ROWS; r++)                                                  \
-                    xs[r] = x[q * ldx + i + r];                                                 \
-                float *restrict out = partial + q * n;                                          \
-                _Pragma("omp simd")                                                             \
-                for (long j = 0; j < n; j++) {                                                  \
-                    float acc = out[j];                                                         \
-                    _Pragma("GCC unroll 8")                                                     \
+        long tile = (TILE / m) / CHUNK * CHUNK;                                                 \
+        if (tile < CHUNK)                                                                       \
+            tile = CHUNK;                                                                       \
+        for (long t0 = 0; t0 < n; t0 += tile) {                                                 \
+            const long tn = t0 + tile < n ? t0 + tile : n;                                      \
+            long i = 0;                                                                         \
+            for (; i + ROWS <= rows; i += ROWS) {                                               \
+                const float *restrict block = w + i * n;                                        \
+                float xs[MAX_M][ROWS];                                                          \
+                for (long q = 0; q < m; q++)                                                    \
                     for (int r = 0; r < ROWS; r++)                                              \
-                        acc = __builtin_fmaf(xs[r], block[r * n + j], acc);                     \
-                    out[j] = acc;                                                               \
+                        xs[q][r] = x[q * ldx + i + r];                                          \
+                for (long c0 = t0; c0 < tn; c0 += CHUNK) {                                      \
+                    const long cn = c0 + CHUNK < tn ? c0 + CHUNK : tn;                          \
+                    for (long q = 0; q < m; q++) {                                              \
+                        float *restrict out = partial + q * n;                                  \
+                        _Pragma("omp simd")                                                     \
+                        for (long j = c0; j < cn; j++) {                                        \
+                            float acc = out[j];                                                 \
+                            _Pragma("GCC unroll 8")                                             \
+                            for (int r = 0; r < ROWS; r++)                                      \
+                                acc = __builtin_fmaf(xs[q][r], block[r * n + j], acc);          \
+                            out[j] = acc;                                                       \
+                        }                                                                       \
+                    }                                                                           \
                 }                                                                               \
             }                                                                                   \
-        }                                                                                       \
-        for (; i < rows; i++) {                                                                 \
-            const float *restrict row = w + i * n;                                              \
-            for (long q = 0; q < m; q++) {                                                      \
-                const float xi = x[q * ldx + i];                                                \
-                float *restrict out = partial + q * n;                                          \
-                _Pragma("omp simd")                                                             \
-                for (long j = 0; j < n; j++)                                                    \
-                    out[j] = __builtin_fmaf(xi, row[j], out[j]);                                \
+            for (; i < rows; i++) {                                                             \
+                const float *restrict row = w + i * n;                                          \
+                for (long q = 0; q < m; q++) {                                                  \
+                    const float xi = x[q * ldx + i];                                            \
+                    float *restrict out = partial + q * n;                                      \
+                    _Pragma("omp simd")                                                         \
+                    for (long j = t0; j < tn; j++)                                              \
+                        out[j] = __builtin_fmaf(xi, row[j], out[j]);                            \
+                }                                                                               \
             }                                                                                   \
         }                                                                                       \
     }
