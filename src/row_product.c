@@ -39,6 +39,7 @@
         long tile = (TILE / m) / CHUNK * CHUNK;                                                 \
         if (tile < CHUNK)                                                                       \
             tile = CHUNK;                                                                       \
+        const long chunk = m == 1 ? tile : CHUNK;   /* one row shares a block with no other */   \
         for (long t0 = 0; t0 < n; t0 += tile) {                                                 \
             const long tn = t0 + tile < n ? t0 + tile : n;                                      \
             long i = 0;                                                                         \
@@ -48,8 +49,8 @@
                 for (long q = 0; q < m; q++)                                                    \
                     for (int r = 0; r < ROWS; r++)                                              \
                         xs[q][r] = x[q * ldx + i + r];                                          \
-                for (long c0 = t0; c0 < tn; c0 += CHUNK) {                                      \
-                    const long cn = c0 + CHUNK < tn ? c0 + CHUNK : tn;                          \
+                for (long c0 = t0; c0 < tn; c0 += chunk) {                                      \
+                    const long cn = c0 + chunk < tn ? c0 + chunk : tn;                          \
                     for (long q = 0; q < m; q++) {                                              \
                         float *restrict out = partial + q * n;                                  \
                         _Pragma("omp simd")                                                     \
