@@ -190,8 +190,10 @@ def test_a_held_sim_node_steps_no_more_once_the_state_out_is_answered_until_the_
     from flashrt_ros.ros.sim_node import SimNode
     from ros_harness import wait_future
 
+    # A patience longer than any wait of this test's own: only the state left unanswered on purpose
+    # at its end runs out of it.
     sim = SimNode(context=ros_context, parameter_overrides=[Parameter("lockstep", value=True),
-                                                            Parameter("lockstep_patience", value=0.0)])
+                                                            Parameter("lockstep_patience", value=2.0)])
     client = rclpy.create_node("sim_hold_client", context=ros_context)
     states = []
     client.create_subscription(JointState, "/joint_states", states.append, 50)
@@ -238,6 +240,19 @@ def test_a_held_sim_node_steps_no_more_once_the_state_out_is_answered_until_the_
         answer()
         until(lambda: len(states) == 4, "a step after the reset")
         assert (states[-1].header.stamp.sec, states[-1].header.stamp.nanosec) == (0, 50_000_000)
+        # A reset while a hold waits for its answer ends the hold: the new episode runs.
+        assert not wait_future(hold.call_async(Trigger.Request())).success
+        assert wait_future(reset.call_async(Trigger.Request())).success
+        until(lambda: len(states) == 5, "the reset's first state")
+        answer()
+        until(lambda: len(states) == 6, "a step of the new episode")
+        # A state nobody answers within the patience: the hold is done all the same, the state
+        # counted unanswered, and no state goes out.
+        assert not wait_future(hold.call_async(Trigger.Request())).success
+        until(lambda: wait_future(hold.call_async(Trigger.Request())).success, "held after the patience")
+        assert sim.unanswered == 1
+        time.sleep(0.3)
+        assert len(states) == 6
     finally:
         stop()
 
@@ -269,10 +284,11 @@ def test_the_sim_node_on_its_timer_publishes_from_the_start_faster_than_real_tim
         reset = client.create_client(Trigger, "/flashrt_sim/reset")
         assert hold.wait_for_service(timeout_sec=10) and reset.wait_for_service(timeout_sec=10)
         assert wait_future(hold.call_async(Trigger.Request())).success
-        time.sleep(0.1)   # a state already out arrives
+        held_at = sim.arm.state().time
+        time.sleep(0.3)   # sixty periods at 10x
+        assert sim.arm.state().time == held_at
+        assert all(s.header.stamp.sec + s.header.stamp.nanosec * 1e-9 <= held_at + 1e-9 for s in states)
         n = len(states)
-        time.sleep(0.3)   # six periods at 10x
-        assert len(states) == n
         assert wait_future(reset.call_async(Trigger.Request())).success
         deadline = time.monotonic() + 10
         while len(states) < n + 5:

@@ -27,9 +27,12 @@ were stepped unanswered and commands refused since the node started; ~/jam
 (std_srvs/Trigger) stops time until the next ~/reset: no state goes out meanwhile. In lockstep
 a hold is done once the state out has been answered (its command's targets are taken, and time
 does not go on) or stepped unanswered after the patience; until then ~/hold answers
-success=false, "waiting for ...", and is asked again. A task giver that starts the next episode
-holds first: then every state of the episode before has been answered, and the new task reaches
-a policy that has nothing of the old episode left to answer. Each service answers
+success=false, "waiting for ...", and is asked again (the hold is in place from the first ask:
+no state goes out after the one awaiting its answer). On its timer a hold is done at once, with
+no answer to wait for. A task giver that starts the next episode in lockstep holds first: then
+every state of the episode before has been answered, and the new task reaches a policy that has
+nothing of the old episode left to answer. A reset ends a hold, and a hold asked after a reset
+holds the new episode. Each service answers
 success=false with the reason rather than raise.
 
 Parameters (``PARAMS``: each number with its range, ``frame_id`` not empty, checked at start
@@ -193,8 +196,9 @@ class SimNode(Node):
             if self._state is None or time.monotonic() - self._published_at < patience:
                 return
             self.unanswered += 1
+            then = "held, standing still" if self._holding else "stepping with the targets held"
             self.get_logger().warning(f"no command answered the state at t={self._state.time:.2f} s within "
-                                      f"{patience:g} s: stepping with the targets held", throttle_duration_sec=2.0)
+                                      f"{patience:g} s: {then}", throttle_duration_sec=2.0)
             self._advance()   # (or, held, standing still)
 
     def _check(self, msg: JointTrajectory) -> Any:
