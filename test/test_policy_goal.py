@@ -49,12 +49,18 @@ def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_contex
     try:
         journal = Journal()
         h.node.session.journal = journal
-        commands = []
+        commands, events = [], []
         heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 50)
+        said = h.client.create_subscription(CapsuleEvent, "/flashrt/events", events.append, 50)
         goals = h.client.create_publisher(PoseStamped, "/flashrt/goal", 10)
         joints, poses = h.policy_publishers()
-        _until(lambda: goals.get_subscription_count() > 0 and heard.get_publisher_count() > 0, what="matched")
+        _until(lambda: goals.get_subscription_count() > 0 and heard.get_publisher_count() > 0
+               and said.get_publisher_count() > 0 and h.node.count_subscribers("/flashrt/events") > 0, what="matched")
         assert [c.name for c in h.node.session.list()] == ["episode-start"]   # made at configure, pinned
+        # An executor takes the subscriptions it finds waiting in the order they were made: a goal
+        # or route found waiting with a joint state is taken first, for the states that follow it.
+        made = [sub.topic_name for sub in h.node.served.policy._io.subscriptions]
+        assert made == ["/flashrt/ee_pose", "/flashrt/goal", "/flashrt/route", "/flashrt/joint_states"]
 
         def step(t: float, frame: str = "base_link", answered: bool = True) -> None:
             """One period of a robot's state publisher, the next once the policy has answered."""
@@ -73,7 +79,8 @@ def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_contex
         goal.header.frame_id = "base_link"
         goal.pose.position.x, goal.pose.position.y = -0.2, 0.4
         goals.publish(goal)
-        _until(lambda: h.node.engine.position == 0, what="the goal restores the episode start")
+        _until(lambda: any(e.kind == "restore" for e in events), what="the episode start's restore event")
+        assert h.node.engine.position == 0 and events[-1].success and "~/goal started an episode" in events[-1].message
         for k in range(3):
             step(10.0 + k)
         steps = [e for e in journal.entries if e.kind == "step"]
@@ -107,7 +114,7 @@ def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context)
         routes = h.client.create_publisher(PoseArray, "/flashrt/route", 10)
         joints, poses = h.policy_publishers()
         _until(lambda: routes.get_subscription_count() > 0 and heard.get_publisher_count() > 0
-               and said.get_publisher_count() > 0, what="matched")
+               and said.get_publisher_count() > 0 and h.node.count_subscribers("/flashrt/events") > 0, what="matched")
 
         def step(t: float) -> None:
             pose, state = _messages(h, t)
@@ -136,19 +143,26 @@ def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context)
         assert [s.request["observation"][-4:] for s in steps[-3:]] == [
             pytest.approx([0.3, 0.1, 0.0, 1.0]), pytest.approx([-0.2, 0.4, 0.0, 1.0]), [0.0] * 4]
 
-        rejected = h.node.report.counters["rejected_observations"]
-        routes.publish(PoseArray(header=route.header))   # no poses: refused, the episode goes on
-        _until(lambda: h.node.report.counters["rejected_observations"] > rejected, what="a refusal")
-        assert h.node.engine.position == 3
+        def refusal(n: int):
+            _until(lambda: len([e for e in events if e.kind == "restore"]) == n, what=f"restore event {n}")
+            said = [e for e in events if e.kind == "restore"][-1]
+            assert not said.success and said.capsule.name == "episode-start" and said.position == 3
+            assert h.node.engine.position == 3   # the episode goes on as it was
+            return said
 
-        # The episode-start capsule dropped by a client: a route is refused, said on ~/events with
-        # the restore's error code, and the live state is untouched.
+        routes.publish(PoseArray(header=route.header))   # no poses
+        no_poses = refusal(2)
+        assert no_poses.error_code == ErrorCode.INVALID_ARGUMENT and "~/route refused: it has no poses" in no_poses.message
+        route.header.frame_id = "world"
+        routes.publish(route)
+        elsewhere = refusal(3)
+        assert elsewhere.error_code == ErrorCode.INVALID_ARGUMENT and "frame 'world'" in elsewhere.message
+        route.header.frame_id = "base_link"
+        # The episode-start capsule dropped by a client: the restore is refused with its own code.
         h.node.session.drop(started[0].capsule.id)
         routes.publish(route)
-        _until(lambda: len([e for e in events if e.kind == "restore"]) == 2, what="the refused restore's event")
-        refused = [e for e in events if e.kind == "restore"][-1]
-        assert not refused.success and refused.error_code == ErrorCode.UNKNOWN_CAPSULE and refused.message
-        assert h.node.engine.position == 3
+        dropped = refusal(4)
+        assert dropped.error_code == ErrorCode.UNKNOWN_CAPSULE and started[0].capsule.id in dropped.message
     finally:
         h.close()
 

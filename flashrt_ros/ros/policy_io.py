@@ -16,8 +16,10 @@ Out: ~/action (JointTrajectoryPoint, the action vector as the engine gave it) an
 With ``policy.goal`` each goal or route starts an episode: the state is restored from the capsule made
 at configure, before anything was committed ("episode-start", pinned), so that a robot can run
 for hours while every episode's context stays within max_seq_len. The restore goes out on
-~/events like any other (kind restore; refused, with its error code): a task giver that waits
-for it knows the goal was taken, and that the next joint state is the first to get it. When the state is full
+~/events like any other, kind restore with the episode-start capsule; a goal or route refused
+(another frame, a position not finite, no poses, the node not serving, the capsule dropped) goes
+out as a failed one, with its error code and reason. A task giver that waits for it knows
+whether the goal was taken, and that the next joint state is the first to get it. When the state is full
 anyway, the step is refused with CONTEXT_FULL, said once per filling on ~/events and at ERROR
 on /diagnostics, until a restore, rollback or goal frees it.
 """
@@ -34,7 +36,7 @@ from sensor_msgs.msg import JointState
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..capsule import CapsuleInfo
-from ..errors import ContextFull, FlashRTError, InvalidArgument
+from ..errors import ContextFull, ErrorCode, FlashRTError, InvalidArgument
 from ..serving import Session
 from ..serving.observation import paired, with_goal
 from .convert import outcome
@@ -61,7 +63,7 @@ class PolicyIO:
         self._goal_mode = bool(vals["policy.goal"])
         self._latest_pose: PoseStamped | None = None
         self._goals: deque[tuple[float, float, float]] = deque()   # one per step, the first next
-        self._episode_id = ""   # the capsule each goal restores (start_episodes)
+        self._episode: CapsuleInfo | None = None   # the capsule each goal restores (start_episodes)
         self._stamp_commands = vals["policy.command_stamp"] == "observation"
         self._full = False
         reliability = (ReliabilityPolicy.BEST_EFFORT if vals["policy.input_reliability"] == "best_effort"
@@ -92,7 +94,7 @@ class PolicyIO:
     def start_episodes(self, session: Session) -> None:
         """With goals: the capsule each goal restores (the state as configure left it)."""
         if self._goal_mode:
-            self._episode_id = session.snapshot(name=EPISODE_CAPSULE, pin=True).info.id
+            self._episode = session.snapshot(name=EPISODE_CAPSULE, pin=True).info
 
     # ---- inputs -------------------------------------------------------------------------------------
     def _in_frame(self, msg: PoseStamped, topic: str) -> bool:
@@ -113,30 +115,34 @@ class PolicyIO:
 
     def _on_route(self, msg: PoseArray) -> None:
         self._record("~/route", msg)
-        if not msg.poses:
-            self._reject("route refused: it has no poses")
-            return
         self._start_episode(msg, "~/route", list(msg.poses))
 
     def _start_episode(self, msg: Any, topic: str, poses: list) -> None:
         """Restore the episode-start capsule, then take ``poses`` into the next steps, one each."""
         node = self._node
         session = node.session
-        if not node.serving or session is None or not self._in_frame(msg, topic):
+        if not node.serving or session is None:
+            self._refuse(topic, ErrorCode.NOT_ACTIVE, "the node is not serving")
+            return
+        if self._frame and msg.header.frame_id != self._frame:
+            self._refuse(topic, ErrorCode.INVALID_ARGUMENT, f"it is in frame {msg.header.frame_id!r}, the "
+                         f"policy's is {self._frame!r} (policy.frame_id)")
+            return
+        if not poses:
+            self._refuse(topic, ErrorCode.INVALID_ARGUMENT, "it has no poses")
             return
         goals = [(float(p.position.x), float(p.position.y), float(p.position.z)) for p in poses]
         if not all(math.isfinite(v) for goal in goals for v in goal):
-            self._reject(f"{topic} refused: a position is not finite")
+            self._refuse(topic, ErrorCode.INVALID_ARGUMENT, "a position is not finite")
             return
         try:
-            info = session.restore(self._episode_id)
+            info = session.restore(self._episode.id)
         except FlashRTError as exc:   # the capsule dropped by a client, say: the live state is untouched
-            self._reject(f"{topic} refused: {outcome(exc)[1]}")
-            self._on_episode(None, *outcome(exc))
+            self._refuse(topic, *outcome(exc))
             return
         except Exception as exc:  # a goal must never take the node down
-            self._node.get_logger().error(f"{topic} failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
-            self._on_episode(None, *outcome(exc))
+            node.get_logger().error(f"{topic} failed: {outcome(exc)[1]}\n{traceback.format_exc()}")
+            self._refuse(topic, *outcome(exc))
             return
         self._goals, self._full = deque(goals), False
         self._on_episode(info, 0, f"{topic} started an episode from capsule {EPISODE_CAPSULE}: "
@@ -195,6 +201,11 @@ class PolicyIO:
         except Exception as exc:   # destroyed by a cleanup that ran meanwhile: the step is committed
             if self._node.context.ok():
                 self._node.get_logger().error(f"action not published: {outcome(exc)[1]}")
+
+    def _refuse(self, topic: str, code: int, why: str) -> None:
+        """A goal or route not taken: the episode goes on as it was, and ~/events says why."""
+        self._reject(f"{topic} refused: {why}")
+        self._on_episode(self._episode, int(code), f"{topic} refused: {why}")
 
     def _reject(self, why: str) -> None:
         self._on_reject()

@@ -151,9 +151,14 @@ class Served:
         node.report.dirty.set()
 
     def _episode_restored(self, info: CapsuleInfo | None, error_code: int, message: str) -> None:
-        """A goal or route restored the episode-start capsule (or could not): a restore event."""
-        self._node.report.event("restore", info, Unasked(position=self.engine.position, message=message,
-                                                         success=not error_code, error_code=error_code))
+        """A goal or route restored the episode-start capsule ``info`` (or was refused): a restore
+        event, at the capsule's position when restored (read here, the live one could already be
+        a step past it), the live one when refused (as it was)."""
+        node = self._node
+        position = info.position if info is not None and not error_code else self.engine.position
+        node.report.event("restore", info, Unasked(position=position, message=message, success=not error_code,
+                                                   error_code=error_code))
+        node.report.dirty.set()
 
     def close(self) -> None:
         """Destroy what was made, close the bag, free the engine. The node no longer hands this out
