@@ -36,7 +36,7 @@ def test_products_are_the_same_bytes_for_any_thread_count_and_close_to_float64(k
     assert (outs[0].double() - exact).abs().max() <= 1.5 * ((x @ w).double() - exact).abs().max() + 1e-6
 
 
-@pytest.mark.parametrize("k, n", [(512, 1552), (64, 300), (13, 7), (24, 33001)])
+@pytest.mark.parametrize("k, n", [(512, 1552), (64, 300), (13, 7), (24, 33001), (80, 33001), (136, 9000)])
 def test_each_row_is_the_bytes_it_has_alone_whatever_rows_come_with_it(k, n):
     """Batch invariance: what lets speculative verify rows match single-row steps bit for bit."""
     gen = torch.Generator().manual_seed(k + n)
