@@ -10,7 +10,7 @@ every JointTrajectory the policy answers with is one control period. The tree on
 goal, watches the arm and calls the capsule services. An attempt fails when the end effector
 is not within ``SUCCESS_RADIUS_M`` of the goal ``ATTEMPT_STEPS`` control periods after it began.
 The goal is for the episode's first state: the arm is held first (a pair that served an episode
-before still runs its loop), and the episode starts once the node has taken the goal (``taken``).
+before still runs its loop), and the episode starts once the node has taken the goal (``Taken``).
 
 python -m flashrt_ros.bt.reach [--server /flashrt] [--sim /flashrt_sim] runs it once against a
 live pair and prints each attempt's outcome.
@@ -43,18 +43,23 @@ _LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL, reli
 
 
 class EpisodeStarts:
-    """The policy node's episode starts, counted: its restores of the episode-start capsule on
-    ~/events, each a goal or route it took (``ros.policy_io``)."""
+    """What the policy node did with the goals and routes it was given: its restores of the
+    episode-start capsule on ~/events, each a goal or route taken, or refused with the reason
+    (``ros.policy_io``)."""
 
     def __init__(self, node: Any, server: str) -> None:
-        self.count = 0
-        self._given = 0   # the count when a goal or route last went out
+        self.taken = 0
+        self.refusals: list[str] = []
+        self._given = (0, 0)   # the counts when a goal or route last went out
         self._events = node.create_subscription(CapsuleEvent, f"{server}/events", self._on_event,
                                                 QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
 
     def _on_event(self, msg: CapsuleEvent) -> None:
-        if msg.kind == CapsuleEvent.KIND_RESTORE and msg.success and msg.capsule.name == EPISODE_CAPSULE:
-            self.count += 1
+        if msg.kind == CapsuleEvent.KIND_RESTORE and msg.capsule.name == EPISODE_CAPSULE:
+            if msg.success:
+                self.taken += 1
+            else:
+                self.refusals.append(msg.message)
 
     def heard(self) -> bool:
         """Whether the node's ~/events is matched: an event published before would be lost."""
@@ -62,11 +67,12 @@ class EpisodeStarts:
 
     def give(self) -> None:
         """A goal or route goes out now."""
-        self._given = self.count
+        self._given = (self.taken, len(self.refusals))
 
-    def since_given(self) -> bool:
-        """Whether an episode started since the last ``give``."""
-        return self.count > self._given
+    def since_given(self) -> tuple[bool, str | None]:
+        """(whether an episode started since the last ``give``, the reason of a refusal since)."""
+        refused = self.refusals[self._given[1]:]
+        return self.taken > self._given[0], refused[0] if refused else None
 
 
 class World:
@@ -113,7 +119,10 @@ class World:
 class SimCall(py_trees.behaviour.Behaviour):
     """A std_srvs call to the simulation, made once its service is there; SUCCESS on its
     answer's success, FAILURE on a refusal or after ``timeout_s``. With ``again``, a refusal is
-    asked again until ``timeout_s``: for a call that says "not yet" (the simulation's ~/hold)."""
+    asked again, ``again_s`` after the refusal came, until ``timeout_s``: for a call that says "not
+    yet" (the simulation's ~/hold)."""
+
+    again_s = 0.01
 
     def __init__(self, name: str, client: Any, request: Any, timeout_s: float = 10.0, again: bool = False) -> None:
         super().__init__(name)
@@ -122,11 +131,11 @@ class SimCall(py_trees.behaviour.Behaviour):
         self._deadline = 0.0
 
     def initialise(self) -> None:
-        self._future, self._refusal = None, ""
+        self._future, self._refusal, self._ask_at = None, "", 0.0
         self._deadline = time.monotonic() + self.timeout_s
 
     def update(self) -> Status:
-        if self._future is None and self.client.service_is_ready():
+        if self._future is None and self.client.service_is_ready() and time.monotonic() >= self._ask_at:
             self._future = self.client.call_async(self.request)
         if self._future is not None and self._future.done():
             answer = self._future.result()
@@ -136,7 +145,7 @@ class SimCall(py_trees.behaviour.Behaviour):
             if not self.again:
                 self.feedback_message = f"{self.client.srv_name}: {answer.message}"
                 return Status.FAILURE
-            self._future = None   # asked again at the next tick
+            self._future, self._ask_at = None, time.monotonic() + self.again_s
         if time.monotonic() > self._deadline:
             self.feedback_message = f"{self.client.srv_name}: " + (
                 f"still {self._refusal!r} after {self.timeout_s:g} s" if self._refusal
@@ -181,17 +190,35 @@ def give_goal(world: World) -> Until:
                  and world.starts.heard(), then=publish)
 
 
-def taken(name: str, starts: EpisodeStarts, publisher: Any, timeout_s: float = 10.0) -> Until:
+class Taken(py_trees.behaviour.Behaviour):
     """SUCCESS once the policy node has taken what ``publisher`` gave it (a goal or a route): its
-    episode start came on ~/events since ``starts.give``. Or once every subscriber has
-    acknowledged it: the node takes a goal or route before a joint state found waiting with it,
-    so a state sent after the acknowledgement comes after the task too (the acknowledgement
-    waits for the writer's next heartbeat, the event does not). Without this wait, the task and
-    the arm's first state reach the node from two processes, in no set order: a state that came
-    first would be answered without the task, and the arm would take that command before the
-    episode's first step."""
-    return Until(name, lambda: starts.since_given() or publisher.wait_for_all_acked(Duration(seconds=0)),
-                 timeout_s=timeout_s)
+    episode start came on ~/events since ``starts.give``, or every subscriber has acknowledged
+    it (the node takes a goal or route before a joint state found waiting with it, so a state
+    sent after the acknowledgement comes after the task too; the acknowledgement waits for the
+    writer's next heartbeat, the event does not). FAILURE when the node refused it (the reason
+    is the feedback) or after ``timeout_s``. Without this wait, the task and the arm's first
+    state reach the node from two processes, in no set order: a state that came first would be
+    answered without the task, and the arm would take that command before the episode's first
+    step."""
+
+    def __init__(self, name: str, starts: EpisodeStarts, publisher: Any, timeout_s: float = 10.0) -> None:
+        super().__init__(name)
+        self.starts, self.publisher, self.timeout_s = starts, publisher, timeout_s
+
+    def initialise(self) -> None:
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def update(self) -> Status:
+        started, refusal = self.starts.since_given()
+        if refusal is not None:
+            self.feedback_message = refusal
+            return Status.FAILURE
+        if started or self.publisher.wait_for_all_acked(Duration(seconds=0)):
+            return Status.SUCCESS
+        if time.monotonic() > self._deadline:
+            self.feedback_message = f"not taken within {self.timeout_s:g} s"
+            return Status.FAILURE
+        return Status.RUNNING
 
 
 def goal_taken_in(world: World) -> Until:
@@ -236,7 +263,7 @@ def reach_with_retry(node: Any, server: str = "/flashrt", sim: str = "/flashrt_s
     root = Seq("reach, with a rollback on failure", memory=True, children=[
         SimCall("hold the arm", world.hold, Trigger.Request(), again=True),
         give_goal(world),
-        taken("goal taken", world.starts, world.goal_out),
+        Taken("goal taken", world.starts, world.goal_out),
         SimCall("start the episode", world.reset, Trigger.Request()),
         goal_taken_in(world),
         Snapshot("snapshot: goal taken in", node, "goal_taken_in", pin=True, server=server),

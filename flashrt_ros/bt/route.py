@@ -14,7 +14,7 @@ tree draws the episode's route from its seed (``sim.waypoints.Route``), as the s
 the arm's start. The route's first pose is for the episode's first state, so between episodes
 the loop is stopped first: the simulation holds (``~/hold``: done once the policy has answered
 the last state out), then the route goes out, then the episode starts once the policy node has
-taken the route (``reach.taken``). Without the hold, a state of the episode before could take
+taken the route (``reach.Taken``). Without the hold, a state of the episode before could take
 the route's first pose, and without the wait the new episode's first state could reach the
 policy before its route.
 
@@ -36,25 +36,30 @@ from py_trees.composites import Sequence as Seq
 from sensor_msgs.msg import JointState
 from std_srvs.srv import Trigger
 
+from ..sim.arm import CONTROL_PERIOD_S
 from ..sim.interruption import URGENT_MAX_PERIODS
 from ..sim.waypoints import PERIODS_PER_WAYPOINT, VISIT_RADIUS_M, Route
 from .interruptible import Interruptible
-from .reach import EpisodeStarts, SimCall, Until, taken
+from .reach import EpisodeStarts, SimCall, Taken, Until
 
 INTERRUPT_KEY = "interrupt"
 
 
 class RouteWorld:
     """What the tree sees of the simulation: the episode's route, the arm's control periods, the
-    end effector's positions since a behaviour last took them, and the waypoints visited (by
-    whichever follower judged them)."""
+    end effector's positions since a behaviour last took them, each with its control period
+    (from its stamp: the simulation's time starts at zero with each episode), and the waypoints
+    visited (by whichever follower judged them)."""
 
     def __init__(self, node: Any, sim: str, server: str, frame_id: str = "base_link") -> None:
         self.node, self.frame_id = node, frame_id
         self.route: PoseArray | None = None
         self.periods = 0
         self.visited = 0
-        self._positions: list[np.ndarray] = []
+        self.latest = 0        # the control period of the newest position of this episode
+        self.fresh = True      # no follower has run in this episode yet
+        self._began = False    # this episode's first position (period 0) has come
+        self._positions: list[tuple[int, np.ndarray]] = []
         self._lock = threading.Lock()   # the executor's thread appends, the tree's takes
         node.create_subscription(JointState, f"{server}/joint_states", self._on_state, 100)
         node.create_subscription(PoseStamped, f"{server}/ee_pose", self._on_pose, 100)
@@ -65,22 +70,31 @@ class RouteWorld:
         self.starts = EpisodeStarts(node, server)
 
     def new_episode(self, route: Route) -> None:
-        """The episode of ``route``: nothing visited, nothing seen yet."""
+        """The episode of ``route``: nothing visited, nothing seen yet. Positions are taken from
+        its first (period 0, after the reset) on: one writer's messages come in order, so every
+        one before it is of the episode before."""
         self.route = PoseArray(poses=[_pose(p) for p in route.waypoints])
         self.route.header.frame_id = self.frame_id
-        self.visited = 0
-        self.take_positions()
+        self.visited, self.latest, self.fresh = 0, 0, True
+        with self._lock:
+            self._began, self._positions = False, []
 
     def _on_state(self, msg: JointState) -> None:
         self.periods += 1
 
     def _on_pose(self, msg: PoseStamped) -> None:
-        p = msg.pose.position
+        p, stamp = msg.pose.position, msg.header.stamp
+        period = round((stamp.sec + stamp.nanosec * 1e-9) / CONTROL_PERIOD_S)
         with self._lock:
-            self._positions.append(np.array([p.x, p.y]))
+            if period == 0:
+                self._began, self._positions = True, []
+            if self._began:
+                self._positions.append((period, np.array([p.x, p.y])))
+                self.latest = period
 
-    def take_positions(self) -> list[np.ndarray]:
-        """The end effector's positions (x, y) published since the last take, oldest first."""
+    def take_positions(self) -> list[tuple[int, np.ndarray]]:
+        """The end effector's positions (control period, (x, y)) of this episode published since
+        the last take, oldest first."""
         with self._lock:
             taken, self._positions = self._positions, []
         return taken
@@ -93,30 +107,41 @@ class FollowRoute(py_trees.behaviour.Behaviour):
     """Let the policy drive; each waypoint is visited when the end effector comes within the
     visit radius of it, in order. SUCCESS once all are; FAILURE when the waypoints left are not
     all visited within ``PERIODS_PER_WAYPOINT`` periods each from when this run began, or when
-    the arm stops stepping. Visits are the world's: they carry over a halt (an interruption)."""
+    the arm stops stepping. Visits are the world's: they carry over a halt (an interruption).
+
+    The periods are the simulation's, read from the positions' stamps, not counted as messages
+    come: a run's verdict does not depend on when the tree ticks. The episode's first run
+    judges the positions of periods 1 to its budget, as ``sim.interruption.run_route`` does in
+    process; a later one (after an interruption) those after the newest position seen when it
+    began."""
 
     def __init__(self, name: str, world: RouteWorld, stall_s: float = 10.0) -> None:
         super().__init__(name)
         self.world, self.stall_s = world, stall_s
 
     def initialise(self) -> None:
-        self.world.take_positions()   # what the arm did while this did not run is not judged
-        left = len(self.world.route.poses) - self.world.visited
-        self._until = self.world.periods + PERIODS_PER_WAYPOINT * left
-        self._seen, self._deadline = self.world.periods, time.monotonic() + self.stall_s
+        world = self.world
+        left = len(world.route.poses) - world.visited
+        self._judged = 0 if world.fresh else world.latest   # what the arm did before is not judged
+        world.fresh = False
+        self._until = self._judged + PERIODS_PER_WAYPOINT * left
+        self._seen, self._deadline = world.periods, time.monotonic() + self.stall_s
 
     def update(self) -> Status:
         world, waypoints = self.world, self.world.waypoints()
-        for position in world.take_positions():
-            if world.visited < len(waypoints) and np.linalg.norm(position - waypoints[world.visited]) < VISIT_RADIUS_M:
+        for period, position in world.take_positions():
+            if period <= self._judged or period > self._until or world.visited == len(waypoints):
+                continue
+            self._judged = period
+            if np.linalg.norm(position - waypoints[world.visited]) < VISIT_RADIUS_M:
                 world.visited += 1
         if world.visited == len(waypoints):
             self.feedback_message = f"all {len(waypoints)} waypoints visited"
             return Status.SUCCESS
-        periods = self.world.periods
-        if periods >= self._until:
+        if self._judged >= self._until:
             self.feedback_message = f"{world.visited} of {len(waypoints)} waypoints visited in time"
             return Status.FAILURE
+        periods = world.periods
         if periods != self._seen:   # stepping: the stall clock starts again
             self._seen, self._deadline = periods, time.monotonic() + self.stall_s
         elif time.monotonic() > self._deadline:
@@ -143,7 +168,7 @@ class Urgent(py_trees.behaviour.Behaviour):
         self._start, self._arrived = self.world.periods, None
 
     def update(self) -> Status:
-        for position in self.world.take_positions():
+        for _, position in self.world.take_positions():
             if self._arrived is None and np.linalg.norm(position - self.point[:2]) < VISIT_RADIUS_M:
                 self._arrived = self.world.periods
         self.periods_taken = self.world.periods - self._start
@@ -217,7 +242,7 @@ def route_episode(node: Any, world: RouteWorld, operator: Operator, point: Any, 
         raise ValueError(f"resume over ROS is 'full' or 'none', got {resume!r}")
     root = Seq("waypoint episode", memory=True, children=[
         SimCall("hold the arm", world.hold, Trigger.Request(), again=True), give_route(world),
-        taken("route taken", world.starts, world.route_out), StartEpisode(world, operator), served])
+        Taken("route taken", world.starts, world.route_out), StartEpisode(world, operator), served])
     return root, follow, urgent
 
 

@@ -197,9 +197,9 @@ def run_scenario(out: Path, episodes: int = 50, ros_episodes: int = 50, contexts
     started = time.monotonic()
     ros = run(out, ros_episodes)
     print("\n" + ros.table())
-    # Never interrupted, the loop over ROS is the in-process loop: lockstep, the route taken before
-    # the first state. Only a state stepped unanswered (the policy too slow for the patience)
-    # should make an episode differ.
+    # Never interrupted, the loop over ROS is the in-process loop (lockstep, the route taken before
+    # the episode's first state, visits judged by the simulation's time) unless it lost a period:
+    # a state stepped unanswered (the policy slower than the patience) or a command refused.
     alike = [ok == table.uninterrupted[seed - table.seeds.start]
              for seed, ok in ros.outcomes["uninterrupted"] if seed in table.seeds]
     print(f"  never interrupted, episode by episode: {sum(alike)} of {len(alike)} as in process")
