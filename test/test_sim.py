@@ -34,6 +34,23 @@ def _spin(ros_context, *nodes):
             node.destroy_node()
     return stop
 
+def _sim_and_client(ros_context, client_name: str, *overrides):
+    """A SimNode with parameter ``overrides``, and a client node that hears its joint states
+    (into the list returned) and publishes commands to it."""
+    from sensor_msgs.msg import JointState
+    from trajectory_msgs.msg import JointTrajectory
+
+    import rclpy
+
+    from flashrt_ros.ros.sim_node import SimNode
+
+    sim = SimNode(context=ros_context, parameter_overrides=list(overrides))
+    client = rclpy.create_node(client_name, context=ros_context)
+    states = []
+    client.create_subscription(JointState, "/joint_states", states.append, 100)
+    return sim, client, states, client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
+
+
 def _run(seed: int, jam: bool = False) -> list[np.ndarray]:
     arm = Arm()
     episode = Episode.sample(seed)
@@ -181,23 +198,15 @@ def test_the_sim_node_steps_in_lockstep_refuses_bad_commands_and_keeps_running(r
 
 def test_a_held_sim_node_steps_no_more_once_the_state_out_is_answered_until_the_next_reset(ros_context):
     from rclpy.parameter import Parameter
-    from sensor_msgs.msg import JointState
     from std_srvs.srv import Trigger
     from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
-    import rclpy
-
-    from flashrt_ros.ros.sim_node import SimNode
     from ros_harness import wait_future
 
     # A patience longer than any wait of this test's own: only the state left unanswered on purpose
     # at its end runs out of it.
-    sim = SimNode(context=ros_context, parameter_overrides=[Parameter("lockstep", value=True),
-                                                            Parameter("lockstep_patience", value=2.0)])
-    client = rclpy.create_node("sim_hold_client", context=ros_context)
-    states = []
-    client.create_subscription(JointState, "/joint_states", states.append, 50)
-    commands = client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
+    sim, client, states, commands = _sim_and_client(ros_context, "sim_hold_client", Parameter("lockstep", value=True),
+                                                    Parameter("lockstep_patience", value=2.0))
     reset = client.create_client(Trigger, "/flashrt_sim/reset")
     hold = client.create_client(Trigger, "/flashrt_sim/hold")
     stop = _spin(ros_context, sim, client)
@@ -303,22 +312,15 @@ def test_the_sim_node_refuses_out_of_range_parameters_answers_every_reset_and_dr
     from rcl_interfaces.msg import ParameterType, ParameterValue
     from rcl_interfaces.srv import SetParameters
     from rclpy.parameter import Parameter
-    from sensor_msgs.msg import JointState
     from std_srvs.srv import Trigger
     from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
-
-    import rclpy
 
     from flashrt_ros.ros.sim_node import SimNode
     from ros_harness import wait_future
 
     with pytest.raises(Exception, match="seed"):   # at start, rclpy refuses it against the range
         SimNode(context=ros_context, parameter_overrides=[Parameter("seed", value=-1)])
-    sim = SimNode(context=ros_context, parameter_overrides=[Parameter("speed", value=10.0)])
-    client = rclpy.create_node("sim_param_client", context=ros_context)
-    states = []
-    client.create_subscription(JointState, "/joint_states", states.append, 100)
-    commands = client.create_publisher(JointTrajectory, "/joint_trajectory", 10)
+    sim, client, states, commands = _sim_and_client(ros_context, "sim_param_client", Parameter("speed", value=10.0))
     setter = client.create_client(SetParameters, "/flashrt_sim/set_parameters")
     reset = client.create_client(Trigger, "/flashrt_sim/reset")
     stop = _spin(ros_context, sim, client)
