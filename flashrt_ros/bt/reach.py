@@ -35,7 +35,7 @@ from std_srvs.srv import SetBool, Trigger
 from trajectory_msgs.msg import JointTrajectory
 
 from ..msg import CapsuleEvent
-from ..ros.policy_io import EPISODE_CAPSULE
+from ..ros.policy_io import EPISODE_CAPSULE, REFUSED
 from ..sim.task import ATTEMPT_STEPS, SUCCESS_RADIUS_M
 from .behaviours import Drop, Restore, Snapshot
 
@@ -55,11 +55,12 @@ class EpisodeStarts:
                                                 QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
 
     def _on_event(self, msg: CapsuleEvent) -> None:
-        if msg.kind == CapsuleEvent.KIND_RESTORE and msg.capsule.name == EPISODE_CAPSULE:
-            if msg.success:
-                self.taken += 1
-            else:
-                self.refusals.append(msg.message)
+        if msg.kind != CapsuleEvent.KIND_RESTORE or msg.capsule.name != EPISODE_CAPSULE:
+            return
+        if msg.success:
+            self.taken += 1
+        elif msg.message.startswith(REFUSED):   # not another client's ~/restore of the capsule
+            self.refusals.append(msg.message)
 
     def heard(self) -> bool:
         """Whether the node's ~/events is matched: an event published before would be lost."""
@@ -192,28 +193,36 @@ def give_goal(world: World) -> Until:
 
 class Taken(py_trees.behaviour.Behaviour):
     """SUCCESS once the policy node has taken what ``publisher`` gave it (a goal or a route): its
-    episode start came on ~/events since ``starts.give``, or every subscriber has acknowledged
-    it (the node takes a goal or route before a joint state found waiting with it, so a state
-    sent after the acknowledgement comes after the task too; the acknowledgement waits for the
-    writer's next heartbeat, the event does not). FAILURE when the node refused it (the reason
-    is the feedback) or after ``timeout_s``. Without this wait, the task and the arm's first
-    state reach the node from two processes, in no set order: a state that came first would be
-    answered without the task, and the arm would take that command before the episode's first
-    step."""
+    episode start came on ~/events since ``starts.give``. FAILURE when the node refused it (the
+    reason is the feedback) or after ``timeout_s``. Without this wait, the task and the arm's
+    first state reach the node from two processes, in no set order: a state that came first
+    would be answered without the task, and the arm would take that command before the
+    episode's first step.
+
+    Should no event come within ``ack_grace_s`` (the node's events writer not yet matched with
+    this reader), every subscriber's acknowledgement of the task does too: the node takes a goal
+    or route before a joint state found waiting with it, so a state sent after the
+    acknowledgement comes after the task. Not sooner: a refusal is said by the event alone."""
+
+    ack_grace_s = 1.0
 
     def __init__(self, name: str, starts: EpisodeStarts, publisher: Any, timeout_s: float = 10.0) -> None:
         super().__init__(name)
         self.starts, self.publisher, self.timeout_s = starts, publisher, timeout_s
 
     def initialise(self) -> None:
-        self._deadline = time.monotonic() + self.timeout_s
+        self._began = time.monotonic()
+        self._deadline = self._began + self.timeout_s
 
     def update(self) -> Status:
         started, refusal = self.starts.since_given()
         if refusal is not None:
             self.feedback_message = refusal
             return Status.FAILURE
-        if started or self.publisher.wait_for_all_acked(Duration(seconds=0)):
+        if started:
+            return Status.SUCCESS
+        if (time.monotonic() - self._began > self.ack_grace_s
+                and self.publisher.wait_for_all_acked(Duration(seconds=0))):
             return Status.SUCCESS
         if time.monotonic() > self._deadline:
             self.feedback_message = f"not taken within {self.timeout_s:g} s"

@@ -75,9 +75,9 @@ class RouteWorld:
         one before it is of the episode before."""
         self.route = PoseArray(poses=[_pose(p) for p in route.waypoints])
         self.route.header.frame_id = self.frame_id
-        self.visited, self.latest, self.fresh = 0, 0, True
+        self.visited, self.fresh = 0, True
         with self._lock:
-            self._began, self._positions = False, []
+            self._began, self._positions, self.latest = False, [], 0
 
     def _on_state(self, msg: JointState) -> None:
         self.periods += 1
@@ -110,9 +110,9 @@ class FollowRoute(py_trees.behaviour.Behaviour):
     the arm stops stepping. Visits are the world's: they carry over a halt (an interruption).
 
     The periods are the simulation's, read from the positions' stamps, not counted as messages
-    come: a run's verdict does not depend on when the tree ticks. The episode's first run
-    judges the positions of periods 1 to its budget, as ``sim.interruption.run_route`` does in
-    process; a later one (after an interruption) those after the newest position seen when it
+    come. The episode's first run judges the positions of periods 1 to its budget, as
+    ``sim.interruption.run_route`` does in process, so its verdict does not depend on when the
+    tree ticks; a later one (after an interruption) those after the newest position seen when it
     began."""
 
     def __init__(self, name: str, world: RouteWorld, stall_s: float = 10.0) -> None:
@@ -130,7 +130,10 @@ class FollowRoute(py_trees.behaviour.Behaviour):
     def update(self) -> Status:
         world, waypoints = self.world, self.world.waypoints()
         for period, position in world.take_positions():
-            if period <= self._judged or period > self._until or world.visited == len(waypoints):
+            if period > self._until:   # past the budget (its last period's position may have been lost)
+                self._judged = self._until
+                break
+            if period <= self._judged or world.visited == len(waypoints):
                 continue
             self._judged = period
             if np.linalg.norm(position - waypoints[world.visited]) < VISIT_RADIUS_M:

@@ -43,6 +43,7 @@ from .convert import outcome
 from .side_node import SideNode
 
 EPISODE_CAPSULE = "episode-start"
+REFUSED = ("~/goal refused", "~/route refused")   # how the events of refused goals and routes begin
 
 
 class PolicyIO:

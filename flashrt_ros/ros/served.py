@@ -158,7 +158,8 @@ class Served:
         position = info.position if info is not None and not error_code else self.engine.position
         node.report.event("restore", info, Unasked(position=position, message=message, success=not error_code,
                                                    error_code=error_code))
-        node.report.dirty.set()
+        if not error_code:   # a refusal changes nothing the status shows
+            node.report.dirty.set()
 
     def close(self) -> None:
         """Destroy what was made, close the bag, free the engine. The node no longer hands this out
