@@ -206,7 +206,7 @@ def test_a_held_sim_node_steps_no_more_once_the_state_out_is_answered_until_the_
     # A patience longer than any wait of this test's own: only the state left unanswered on purpose
     # at its end runs out of it.
     sim, client, states, commands = _sim_and_client(ros_context, "sim_hold_client", Parameter("lockstep", value=True),
-                                                    Parameter("lockstep_patience", value=2.0))
+                                                    Parameter("lockstep_patience", value=4.0))
     reset = client.create_client(Trigger, "/flashrt_sim/reset")
     hold = client.create_client(Trigger, "/flashrt_sim/hold")
     stop = _spin(ros_context, sim, client)
