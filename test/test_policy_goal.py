@@ -57,10 +57,6 @@ def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_contex
         _until(lambda: goals.get_subscription_count() > 0 and heard.get_publisher_count() > 0
                and said.get_publisher_count() > 0 and h.node.count_subscribers("/flashrt/events") > 0, what="matched")
         assert [c.name for c in h.node.session.list()] == ["episode-start"]   # made at configure, pinned
-        # An executor takes the subscriptions it finds waiting in the order they were made: a goal
-        # or route found waiting with a joint state is taken first, for the states that follow it.
-        made = [sub.topic_name for sub in h.node.served.policy._io.subscriptions]
-        assert made == ["/flashrt/ee_pose", "/flashrt/goal", "/flashrt/route", "/flashrt/joint_states"]
 
         def step(t: float, frame: str = "base_link", answered: bool = True) -> None:
             """One period of a robot's state publisher, the next once the policy has answered."""
@@ -166,6 +162,47 @@ def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context)
     finally:
         h.close()
 
+
+def test_a_goal_waiting_with_a_joint_state_is_taken_first(ros_context):
+    """A goal is for the states that follow it: when the node finds a goal and a joint state
+    both waiting (its policy thread was busy), the state gets the goal. The policy thread is
+    held inside a step by the engine lock while both arrive."""
+    from geometry_msgs.msg import PoseStamped
+    from rclpy.duration import Duration
+    from trajectory_msgs.msg import JointTrajectory
+
+    from flashrt_ros.serving.journal import Journal
+
+    h = Harness(ros_context, GOAL_MODE)
+    try:
+        journal = Journal()
+        h.node.session.journal = journal
+        commands = []
+        heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 50)
+        goals = h.client.create_publisher(PoseStamped, "/flashrt/goal", 10)
+        joints, poses = h.policy_publishers()
+        _until(lambda: goals.get_subscription_count() > 0 and heard.get_publisher_count() > 0, what="matched")
+        goal = PoseStamped()
+        goal.header.frame_id = "base_link"
+        goal.pose.position.x, goal.pose.position.y = -0.2, 0.4
+        lock = h.node.session.engine.lock
+        pose, first = _messages(h, 1.0)
+        poses.publish(pose)
+        time.sleep(0.1)   # taken before the joint state (the node pairs the latest pose)
+        with lock:
+            joints.publish(first)
+            _until(lambda: len(lock._queue) == 1, what="the policy thread waiting inside the first step")
+            pose, second = _messages(h, 2.0)
+            poses.publish(pose)
+            goals.publish(goal)
+            joints.publish(second)
+            for publisher in (poses, goals, joints):   # in the node's readers: all waiting at once
+                assert publisher.wait_for_all_acked(Duration(seconds=10))
+        _until(lambda: len(commands) == 2, what="both steps answered")
+        steps = [e for e in journal.entries if e.kind == "step"]
+        assert [s.request["observation"][-4:] for s in steps] == [[0.0] * 4, pytest.approx([-0.2, 0.4, 0.0, 1.0])]
+    finally:
+        h.close()
 
 def test_a_full_context_is_said_once_with_context_full(ros_context):
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
