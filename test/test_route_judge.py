@@ -35,9 +35,11 @@ def _at(world, period: int, xy) -> None:
     """The end effector's position of control period ``period``, as the simulation stamps it."""
     from geometry_msgs.msg import PoseStamped
 
+    from flashrt_ros.ros.sim_node import stamp_of
+    from flashrt_ros.sim.arm import CONTROL_PERIOD_S
+
     msg = PoseStamped()
-    ns = period * 50_000_000
-    msg.header.stamp.sec, msg.header.stamp.nanosec = ns // 1_000_000_000, ns % 1_000_000_000
+    msg.header.stamp = stamp_of(period * CONTROL_PERIOD_S)
     msg.pose.position.x, msg.pose.position.y = float(xy[0]), float(xy[1])
     world._on_pose(msg)
 

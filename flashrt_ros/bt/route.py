@@ -36,6 +36,7 @@ from py_trees.composites import Sequence as Seq
 from sensor_msgs.msg import JointState
 from std_srvs.srv import Trigger
 
+from ..ros.sim_node import seconds_of
 from ..sim.arm import CONTROL_PERIOD_S
 from ..sim.interruption import URGENT_MAX_PERIODS
 from ..sim.waypoints import PERIODS_PER_WAYPOINT, VISIT_RADIUS_M, Route
@@ -83,8 +84,7 @@ class RouteWorld:
         self.periods += 1
 
     def _on_pose(self, msg: PoseStamped) -> None:
-        p, stamp = msg.pose.position, msg.header.stamp
-        period = round((stamp.sec + stamp.nanosec * 1e-9) / CONTROL_PERIOD_S)
+        p, period = msg.pose.position, round(seconds_of(msg.header.stamp) / CONTROL_PERIOD_S)
         with self._lock:
             if period == 0:
                 self._began, self._positions = True, []
