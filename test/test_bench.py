@@ -2,6 +2,7 @@
 speed is measured by ``make bench``, not by tests) and report every target they promise."""
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -155,6 +156,24 @@ def test_a_timed_load_that_fails_in_its_process_says_why(tmp_path):
     job = {"load": str(tmp_path / "absent"), "device": "cpu", "dtype": "torch.float32", "kernel": True, "huge": False}
     with pytest.raises(RuntimeError, match="(?s)failed in its process.*CheckpointError.*is not a folder"):
         released.in_fresh_process(job)
+
+
+def test_the_released_shape_benchmark_loads_a_folder_given_as_it_is_and_leaves_it(tmp_path):
+    from flashrt_ros.bench import released
+    from flashrt_ros.runtime import ModelConfig
+    from flashrt_ros.runtime.weights import save_checkpoint, seeded_weights
+
+    cfg = ModelConfig.tiny(vocab_size=32768)
+    save_checkpoint(tmp_path, cfg, seeded_weights(cfg))   # fp32, as it was saved: not a bf16 copy of it
+    (tmp_path / "tokenizer.json").write_text("{}")        # a release's, which a load does not read
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    result = released.run(rounds=1, sections=(1,), folder=tmp_path)
+    assert result["model"] == tmp_path.name and {c["name"] for c in result["checks"]} == {
+        f"{tmp_path.name}: load / read its files, from the disk"}
+    assert result["load"]["file_bytes"] == sum(len(before[n]) for n in ("config.json", "model.safetensors"))
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before   # the folder is the caller's
+    with pytest.raises(argparse.ArgumentTypeError, match="not a checkpoint folder"):
+        released._folder(str(tmp_path / "absent"))
 
 
 def test_the_released_shape_benchmark_runs_the_sections_asked_for_alone():

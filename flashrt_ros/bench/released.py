@@ -3,14 +3,18 @@ side in one run.
 
     python -m flashrt_ros.bench.released [--model Qwen3.5-0.8B] [--prompt 512] [--tokens 16]
                                          [--rounds 3] [--ttft 2048] [--sections 1,2,3,4]
+                                         [--folder DIR]
 
 The shape is ``runtime.released.RELEASED[model]`` (its published config.json); the weights are
-seeded, so nothing is downloaded. In order, each step freeing what it made:
-1. load: ``Engine.from_pretrained`` of a bf16 checkpoint folder (a CPU computes in fp32, a GPU
-   keeps bf16), each in a fresh process as a node loads, against reading its files once,
-   interleaved: both from the disk (the files' pages dropped from the page cache before each:
-   the speed of the disk, target <= 2) and both from the page cache (what the load costs beyond
-   reading). On a CPU, side by side with these: the same load with torch's copies in place of
+seeded, so nothing is downloaded. ``--folder`` names a checkpoint folder instead (a release
+downloaded): step 1 loads it as it is, and its config is every step's shape. In order, each
+step freeing what it made:
+1. load: ``Engine.from_pretrained`` of a checkpoint folder (bf16 when seeded; a CPU computes in
+   fp32, a GPU keeps bf16), each in a fresh process as a node loads, against reading its files
+   once, interleaved: both from the disk (the files' pages dropped from the page cache before
+   each: the speed of the disk, target <= 2; in a VM a file read back soon after it was
+   written may come from the host's memory, not its disk) and both from the page cache (what
+   the load costs beyond reading). On a CPU, side by side with these: the same load with torch's copies in place of
    the package's transposing cast; with the weights on transparent huge pages, and decoding on
    them; and filling fresh memory of the built weights' size (what a load spends beyond reading
    on this machine, however its bytes are written). The peak resident memory once loaded;
@@ -45,7 +49,7 @@ from ..runtime import Engine, ModelConfig
 from ..runtime.backends.cpu import transpose_cast
 from ..runtime.models import cast
 from ..runtime.released import RELEASED
-from ..runtime.weights import expected_shapes, save_checkpoint, seeded_weights
+from ..runtime.weights import expected_shapes, save_checkpoint, seeded_weights, weight_files
 from . import capsules, runtime
 from .common import bench_main, interleaved, machine, positive_int, verdict
 
@@ -95,20 +99,33 @@ def evict(files: list[Path]) -> bool:
     return True
 
 
-def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
-    """Loading a bf16 checkpoint folder against reading its files once, from the disk and from
-    the page cache. On a CPU the engine computes in fp32; on another ``device`` in bf16, and a
-    load ends once the device has its weights."""
+def read_by_load(folder: Path) -> list[Path]:
+    """The files of a checkpoint folder that a load reads: its configs, its shard index and its
+    weights (a released folder's tokenizer files are the node's, read once it serves)."""
+    configs = [folder / name for name in ("config.json", "generation_config.json", "model.safetensors.index.json")]
+    return [f for f in configs if f.is_file()] + weight_files(folder)
+
+
+def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu", folder: str | Path | None = None) -> dict:
+    """Loading a checkpoint folder against reading its files once, from the disk and from the
+    page cache: ``folder`` as it is (``cfg`` its config), else seeded weights of ``cfg`` saved in
+    bf16 to a temporary folder. On a CPU the engine computes in fp32; on another ``device`` in
+    bf16, and a load ends once the device has its weights."""
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
-    with tempfile.TemporaryDirectory() as folder:   # TMPDIR; on tmpfs only the page-cache figures are taken
-        weights = {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()}
-        save_checkpoint(folder, cfg, weights)
-        del weights
-        files = sorted(Path(folder).iterdir())
-        for f in files:
-            with open(f, "rb") as stream:
-                os.fsync(stream.fileno())
+    with contextlib.ExitStack() as stack:
+        if folder is None:
+            folder = stack.enter_context(tempfile.TemporaryDirectory())   # TMPDIR; on tmpfs only the page-cache figures are taken
+            weights = {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()}
+            save_checkpoint(folder, cfg, weights)
+            del weights
+            for f in Path(folder).iterdir():
+                with open(f, "rb") as stream:
+                    os.fsync(stream.fileno())
+            what = "bf16 folder"
+        else:
+            folder, what = str(folder), f"folder {folder}"
+        files = read_by_load(Path(folder))
         nbytes = sum(f.stat().st_size for f in files)
 
         def loaded() -> Engine:
@@ -168,7 +185,7 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu") -> dict:
         if evict(files):
             fns |= {"cold_read": lambda: read(True), "cold_load": lambda: load(True)}
         t = interleaved(fns, rounds)
-    print(f"  load: {nbytes / 2**30:.2f} GiB bf16 folder onto {device}, computing in "
+    print(f"  load: {nbytes / 2**30:.2f} GiB {what} onto {device}, computing in "
           f"{str(dtype).removeprefix('torch.')}, each load in a fresh process; peak RSS {peak:.2f} GiB")
     if "cold_read" in t:
         print(f"  from the disk: read in {t['cold_read']:.2f} s, loaded in {t['cold_load']:.2f} s "
@@ -308,16 +325,22 @@ SECTIONS = (1, 2, 3, 4)
 @torch.no_grad()
 def run(model: str = "Qwen3.5-0.8B", prompt: int = 512, tokens: int = 16, rounds: int = 3,
         ttft: tuple[int, ...] = (2048,), cfg: ModelConfig | None = None,
-        sections: tuple[int, ...] = SECTIONS) -> dict:
+        sections: tuple[int, ...] = SECTIONS, folder: str | Path | None = None) -> dict:
     """``cfg``: another shape, named ``model`` in the output (a test's small one). ``sections``:
-    the steps to run (a larger model may fit this machine's memory one step at a time)."""
-    cfg = cfg or config_of(model)
-    print(f"released shape {model} (random weights) on {machine()}")
+    the steps to run (a larger model may fit this machine's memory one step at a time).
+    ``folder``: a checkpoint folder (a release downloaded, say) that step 1 loads as it is; its
+    config is the shape of every step, the others on seeded weights."""
+    if folder is not None:
+        cfg, model = ModelConfig.from_json(Path(folder) / "config.json"), Path(folder).resolve().name
+        print(f"checkpoint folder {folder} on {machine()}")
+    else:
+        cfg = cfg or config_of(model)
+        print(f"released shape {model} (random weights) on {machine()}")
     out: dict = {"machine": machine(), "model": model}
     checks: list[dict] = []
     if 1 in sections:
-        print("1. loading a bf16 checkpoint folder")
-        loaded = out["load"] = load_ratio(cfg, rounds)
+        print("1. loading a checkpoint folder")
+        loaded = out["load"] = load_ratio(cfg, rounds, folder=folder)
         cold = loaded["cold_load_s"] is not None
         ratio = loaded["cold_load_s"] / loaded["cold_read_s"] if cold else loaded["load_s"] / loaded["read_s"]
         checks.append(verdict(f"{model}: load / read its files, {'from the disk' if cold else 'from the page cache'}",
@@ -353,9 +376,18 @@ def main() -> None:
         parser.add_argument("--ttft", type=lambda s: tuple(positive_int(x) for x in s.split(",")), default=(2048,))
         parser.add_argument("--sections", type=_sections, default=SECTIONS,
                             help="the steps to run, e.g. 4 or 1,4 (default all: 1,2,3,4)")
+        parser.add_argument("--folder", type=_folder, default=None,
+                            help="a checkpoint folder for step 1 to load as it is, in place of --model's shape "
+                                 "saved with seeded weights (its config.json is every step's shape)")
 
-    bench_main(__doc__, arguments, lambda a: run(a.model, a.prompt, a.tokens, a.rounds, a.ttft, sections=a.sections),
-               device=False)
+    bench_main(__doc__, arguments, lambda a: run(a.model, a.prompt, a.tokens, a.rounds, a.ttft, sections=a.sections,
+                                                 folder=a.folder), device=False)
+
+
+def _folder(text: str) -> Path:
+    if not (Path(text) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a checkpoint folder (no config.json in it)")
+    return Path(text)
 
 
 def _sections(text: str) -> tuple[int, ...]:

@@ -228,7 +228,9 @@ def _canonical(name: str) -> str | None:
     return name
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the shards its index lists, else every
+    ``*.safetensors`` file in it; CheckpointError where one is missing or lies outside it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -283,7 +285,7 @@ def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int
     shapes = expected_shapes(cfg)
     weights: dict[str, torch.Tensor] = {}
     stacks = ExpertStacks(cfg)
-    for file in _weight_files(path):
+    for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as reader:
                 for raw_name in reader.keys():
