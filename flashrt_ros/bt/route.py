@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 import py_trees
-from geometry_msgs.msg import Pose, PoseArray, PoseStamped
+from geometry_msgs.msg import PoseArray, PoseStamped
 from py_trees.common import Access, Status
 from py_trees.composites import Sequence as Seq
 from sensor_msgs.msg import JointState
 from std_srvs.srv import Trigger
 
-from ..ros.sim_node import seconds_of
+from ..ros.sim_node import pose_at, seconds_of
 from ..sim.arm import CONTROL_PERIOD_S
 from ..sim.interruption import URGENT_MAX_PERIODS
 from ..sim.waypoints import PERIODS_PER_WAYPOINT, VISIT_RADIUS_M, Route
@@ -74,7 +74,7 @@ class RouteWorld:
         """The episode of ``route``: nothing visited, nothing seen yet. Positions are taken from
         its first (period 0, after the reset) on: one writer's messages come in order, so every
         one before it is of the episode before."""
-        self.route = PoseArray(poses=[_pose(p) for p in route.waypoints])
+        self.route = PoseArray(poses=[pose_at(p) for p in route.waypoints])
         self.route.header.frame_id = self.frame_id
         self.visited, self.fresh = 0, True
         with self._lock:
@@ -164,7 +164,7 @@ class Urgent(py_trees.behaviour.Behaviour):
         self.periods_taken = 0
 
     def initialise(self) -> None:
-        goal = PoseStamped(pose=_pose(self.point))
+        goal = PoseStamped(pose=pose_at(self.point))
         goal.header.frame_id = self.world.frame_id
         self.world.take_positions()
         self.world.goal_out.publish(goal)
@@ -199,13 +199,6 @@ class Operator:
         if self.world.periods - self.start >= self.period:
             self.flag.set(INTERRUPT_KEY, True)
             self.fired = True
-
-
-def _pose(point: Any) -> Pose:
-    pose = Pose()
-    pose.position.x, pose.position.y, pose.position.z = (float(v) for v in point)
-    pose.orientation.w = 1.0
-    return pose
 
 
 def give_route(world: RouteWorld) -> Until:

@@ -127,11 +127,11 @@ class SimNode(Node):
             state = self.arm.reset(episode.start)
             self._holding = False
             if self._task == "route":
-                route = PoseArray(poses=[_pose(p) for p in episode.waypoints])
+                route = PoseArray(poses=[pose_at(p) for p in episode.waypoints])
                 route.header.frame_id, route.header.stamp = frame, stamp_of(0.0)
                 self._route.publish(route)
             else:
-                goal = PoseStamped(pose=_pose(episode.goal))
+                goal = PoseStamped(pose=pose_at(episode.goal))
                 goal.header.frame_id, goal.header.stamp = frame, stamp_of(0.0)
                 self._goal.publish(goal)
             if publish:
@@ -269,7 +269,8 @@ def _reason(name: str, value: Any) -> str:
     return "must not be empty" if name == "frame_id" and not value else ""
 
 
-def _pose(point: Any) -> Pose:
+def pose_at(point: Any) -> Pose:
+    """A pose at ``point`` (x, y, z in metres), unrotated: how a goal or a waypoint goes out."""
     pose = Pose()
     pose.position.x, pose.position.y, pose.position.z = (float(v) for v in point)
     pose.orientation.w = 1.0
