@@ -104,6 +104,19 @@ def test_the_ablation_runs_and_draws(tmp_path):
     assert (resume_ablation.draw(result, tmp_path)).stat().st_size > 0
 
 
+
+def test_the_ablation_command_line_runs_the_first_episodes_and_draws(tmp_path, capsys):
+    from flashrt_ros.sim import resume_ablation
+
+    assert resume_ablation.main(["--episodes", "1", "--out", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert "N=1" in said and f"wrote {tmp_path / 'out' / 'resume_ablation.png'}" in said
+    assert (tmp_path / "out" / "resume_ablation.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as exited:
+        resume_ablation.main(["--episodes", "0"])
+    assert exited.value.code == 2 and "--episodes must be at least 1" in capsys.readouterr().err
+
+
 def test_training_runs_the_gated_deltanet_in_its_own_chunks_and_acts_as_the_default_chunks():
     pytest.importorskip("transformers")
     import inspect

@@ -6,7 +6,6 @@ writes retry_paths.png: the end effector's path in one episode under each retry.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import Engine
+from . import ablation_cli
 from .arm import CONTROL_PERIOD_S, Arm
 from .rollout import RETRIES, Attempt, with_retry
 from .task import Episode
@@ -109,19 +109,7 @@ def draw(result: Result, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from .train_policy import DEFAULT_OUT
 
-    parser = argparse.ArgumentParser(prog="python -m flashrt_ros.sim.ablation", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--episodes", type=int, default=len(ABLATION_SEEDS))
-    parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args(argv)
-    if args.episodes < 1:
-        parser.error("--episodes must be at least 1")
-    result = run(args.policy, range(ABLATION_SEEDS.start, ABLATION_SEEDS.start + args.episodes))
-    print(result.table())
-    args.out.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {draw(result, args.out)}")
-    return 0
+    return ablation_cli.main(argv, "python -m flashrt_ros.sim.ablation", __doc__, DEFAULT_OUT, ABLATION_SEEDS, run, draw)
 
 
 if __name__ == "__main__":

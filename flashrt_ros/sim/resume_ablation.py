@@ -8,7 +8,6 @@ history length at the interruption.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import ablation_cli
 from .arm import CONTROL_PERIOD_S, Arm
 from .interruption import RESUMES, Interrupted, Resumed, run_interrupted, run_route
 from .train_resume_policy import DEFAULT_OUT, open_policy
@@ -132,19 +132,8 @@ def draw(result: Result, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashrt_ros.sim.resume_ablation", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--episodes", type=int, default=len(ABLATION_SEEDS))
-    parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args(argv)
-    if args.episodes < 1:
-        parser.error("--episodes must be at least 1")
-    result = run(args.policy, range(ABLATION_SEEDS.start, ABLATION_SEEDS.start + args.episodes))
-    print(result.table())
-    args.out.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {draw(result, args.out)}")
-    return 0
+    return ablation_cli.main(argv, "python -m flashrt_ros.sim.resume_ablation", __doc__, DEFAULT_OUT, ABLATION_SEEDS,
+                             run, draw)
 
 
 if __name__ == "__main__":
