@@ -39,34 +39,45 @@ def _until(predicate, timeout: float = 10.0, what: str = "") -> None:
         time.sleep(0.01)
 
 
+class _TaskGiver:
+    """A client of the harness's policy node as a task giver is: the node's journal kept, its
+    commands and events heard, a publisher of ``kind`` (goals or routes) on ``topic``, and one
+    control period at a time."""
+
+    def __init__(self, h, kind, topic: str) -> None:
+        from trajectory_msgs.msg import JointTrajectory
+
+        from flashrt_ros.serving.journal import Journal
+
+        self.h, self.journal = h, Journal()
+        h.node.session.journal = self.journal
+        self.commands, self.events = [], []
+        heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", self.commands.append, 50)
+        said = h.client.create_subscription(CapsuleEvent, "/flashrt/events", self.events.append, 50)
+        self.tasks = h.client.create_publisher(kind, topic, 10)
+        self.joints, self.poses = h.policy_publishers()
+        _until(lambda: self.tasks.get_subscription_count() > 0 and heard.get_publisher_count() > 0
+               and said.get_publisher_count() > 0 and h.node.count_subscribers("/flashrt/events") > 0, what="matched")
+
+    def step(self, t: float, frame: str = "base_link", answered: bool = True) -> None:
+        """One period of a robot's state publisher, the next once the policy has answered."""
+        pose, state = _messages(self.h, t, frame)
+        n = len(self.commands)
+        self.poses.publish(pose)
+        time.sleep(0.1)   # taken before the joint state (the node pairs the latest pose)
+        self.joints.publish(state)
+        if answered:
+            _until(lambda: len(self.commands) == n + 1, what=f"the command answering t={t}")
+
+
 def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_context):
     from geometry_msgs.msg import PoseStamped
-    from trajectory_msgs.msg import JointTrajectory
-
-    from flashrt_ros.serving.journal import Journal
 
     h = Harness(ros_context, GOAL_MODE)
     try:
-        journal = Journal()
-        h.node.session.journal = journal
-        commands, events = [], []
-        heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 50)
-        said = h.client.create_subscription(CapsuleEvent, "/flashrt/events", events.append, 50)
-        goals = h.client.create_publisher(PoseStamped, "/flashrt/goal", 10)
-        joints, poses = h.policy_publishers()
-        _until(lambda: goals.get_subscription_count() > 0 and heard.get_publisher_count() > 0
-               and said.get_publisher_count() > 0 and h.node.count_subscribers("/flashrt/events") > 0, what="matched")
+        giver = _TaskGiver(h, PoseStamped, "/flashrt/goal")
+        journal, commands, events, goals, step = giver.journal, giver.commands, giver.events, giver.tasks, giver.step
         assert [c.name for c in h.node.session.list()] == ["episode-start"]   # made at configure, pinned
-
-        def step(t: float, frame: str = "base_link", answered: bool = True) -> None:
-            """One period of a robot's state publisher, the next once the policy has answered."""
-            pose, state = _messages(h, t, frame)
-            n = len(commands)
-            poses.publish(pose)
-            time.sleep(0.1)   # taken before the joint state (the node pairs the latest pose)
-            joints.publish(state)
-            if answered:
-                _until(lambda: len(commands) == n + 1, what=f"the command answering t={t}")
 
         for k in range(3):   # an episode before any goal
             step(1.0 + k)
@@ -96,29 +107,11 @@ def test_a_goal_starts_an_episode_and_is_in_the_next_observation_only(ros_contex
 
 def test_a_route_starts_an_episode_and_gives_its_poses_one_per_step(ros_context):
     from geometry_msgs.msg import Pose, PoseArray
-    from trajectory_msgs.msg import JointTrajectory
-
-    from flashrt_ros.serving.journal import Journal
 
     h = Harness(ros_context, GOAL_MODE)
     try:
-        journal = Journal()
-        h.node.session.journal = journal
-        commands, events = [], []
-        heard = h.client.create_subscription(JointTrajectory, "/flashrt/joint_trajectory", commands.append, 50)
-        said = h.client.create_subscription(CapsuleEvent, "/flashrt/events", events.append, 50)
-        routes = h.client.create_publisher(PoseArray, "/flashrt/route", 10)
-        joints, poses = h.policy_publishers()
-        _until(lambda: routes.get_subscription_count() > 0 and heard.get_publisher_count() > 0
-               and said.get_publisher_count() > 0 and h.node.count_subscribers("/flashrt/events") > 0, what="matched")
-
-        def step(t: float) -> None:
-            pose, state = _messages(h, t)
-            n = len(commands)
-            poses.publish(pose)
-            time.sleep(0.1)
-            joints.publish(state)
-            _until(lambda: len(commands) == n + 1, what=f"the command answering t={t}")
+        giver = _TaskGiver(h, PoseArray, "/flashrt/route")
+        journal, events, routes, step = giver.journal, giver.events, giver.tasks, giver.step
 
         step(1.0)
         route = PoseArray()
