@@ -70,8 +70,10 @@ def test_a_failing_gpu_check_section_reports_and_lets_the_next_run(capsys):
         raise RuntimeError("a kernel failed")
 
     assert gpu_check._section("broken", broken) is False and gpu_check._section("fine", lambda: True) is True
+    assert gpu_check._section("unmeasured", lambda: None) is True   # it said why; the run does not fail of it
     out = capsys.readouterr()
     assert "broken: FAIL" in out.out and "fine: PASS" in out.out and "a kernel failed" in out.err
+    assert "unmeasured: SKIPPED" in out.out
 
 
 def test_transformers_reuse_runs_beside_our_cold_prefill_on_the_same_weights():

@@ -10,13 +10,15 @@ restore keeps the captured graph valid (no recapture, identical tokens), and
 reports the restore time of a 16k-token ``ModelConfig.bench()`` state with
 CUDA events (target < 0.5 ms), that a host-tier capsule (copied to pinned
 memory without blocking) hashes and restores the bytes it was taken from, that
-speculative decoding over captured verify graphs gives plain decode's tokens, and that an MoE
+speculative decoding over captured verify graphs gives plain decode's tokens (up to a first
+difference at a near-tie: a GPU's products of several rows round otherwise), and that an MoE
 model's decode and verify capture (routing on the device: no host read, fixed shapes) and give
 the tokens and bytes the same code gives uncaptured, that a bf16 checkpoint folder loads
 onto the device in bf16 with the weights a CPU load holds, and how long Qwen3.5-0.8B's shape
-takes to load onto the device against reading its files (target 2x).
-Each section runs even if one before it failed. Exits 0 if every check passed,
-1 if one failed, 2 if there is no CUDA device (nothing was checked).
+takes to load onto the device against reading its files from the disk (target 2x; skipped
+where the files' pages cannot be dropped). Each section runs even if one before it failed.
+Exits 0 if every check passed or was skipped, 1 if one failed, 2 if there is no CUDA device
+(nothing was checked).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..replay import verdicts
 from ..runtime import Engine, ModelConfig
 from ..runtime.weights import save_checkpoint, seeded_weights
 from .common import CacheFlush
@@ -34,15 +37,16 @@ from .common import CacheFlush
 PROMPT = 16384
 
 
-def _section(name: str, check: Callable[[], bool]) -> bool:
-    """One section's verdict; an exception fails it, with its traceback, and the next one runs."""
+def _section(name: str, check: Callable[[], bool | None]) -> bool:
+    """One section's verdict; an exception fails it, with its traceback, and the next one runs.
+    A check that returns None could not be measured here (it says why): skipped, not failed."""
     try:
-        passed = bool(check())
+        verdict = check()
     except Exception:   # one broken section must not cost the others their figures
         traceback.print_exc()
-        passed = False
-    print(f"  {name}: {'PASS' if passed else 'FAIL'}", flush=True)
-    return passed
+        verdict = False
+    print(f"  {name}: {'SKIPPED' if verdict is None else 'PASS' if verdict else 'FAIL'}", flush=True)
+    return verdict is None or bool(verdict)
 
 
 def main() -> int:
@@ -170,30 +174,40 @@ def _bf16_folder(device: str = "cuda") -> bool:
         on_cpu.close()
 
 
-def _released_load(device: str = "cuda") -> bool:
-    """``bench.released``'s load section onto the device (bf16 stays bf16): from the disk where
-    the files' pages can be dropped, else from the page cache."""
-    from .released import config_of, load_ratio
+def _released_load(device: str = "cuda") -> bool | None:
+    """``bench.released``'s load section onto the device (bf16 stays bf16), judged from the disk:
+    skipped where the files' pages cannot be dropped (the page cache's figures are printed)."""
+    from .released import NO_DISK, config_of, load_ratio
 
     t = load_ratio(config_of("Qwen3.5-0.8B"), rounds=3, device=device)
-    cold = t["cold_load_s"] is not None
-    ratio = t["cold_load_s"] / t["cold_read_s"] if cold else t["load_s"] / t["read_s"]
-    print(f"  load / read {'from the disk' if cold else 'from the page cache'}: {ratio:.2f} (target <= 2)")
+    if t["cold_load_s"] is None:
+        print(f"  {NO_DISK}: set TMPDIR to a folder on a disk")
+        return None
+    ratio = t["cold_load_s"] / t["cold_read_s"]
+    print(f"  load / read from the disk: {ratio:.2f} (target <= 2)")
     return ratio <= 2.0
+
+
+def _scored(engine: Engine, n: int) -> list[tuple[int, float]]:
+    """``n`` greedy tokens, each with the margin of its choice."""
+    return [(token, margin) for token, margin, _ in engine.stream(n, sync_every=0, scored=True)]
 
 
 def _speculative() -> bool:
     """Known drafts (a fifth wrong) on the bench config with CUDA graphs: the verify passes are
     captured graphs, the tokens are plain decode's, and a pass's time against a decode step's.
     torch's products of several rows round otherwise than of one on a GPU, so the state's bytes
-    are reported, not required (the tokens are, where margins exceed that rounding)."""
+    are reported, not required, and the tokens are judged as a replay on another platform
+    judges them (``replay.verdicts.tokens``): identical, or identical up to a first difference
+    where plain decode chose within the tolerance of a tie."""
     from .known_drafts import KnownDrafts
 
     engine = Engine.from_config(ModelConfig.bench(), device="cuda", max_seq_len=1024)
     try:
         prompt = list(range(1, 17))
         engine.prefill(prompt)
-        plain = engine.generate(256)
+        scored = _scored(engine, 256)
+        plain = [token for token, _ in scored]
         plain_digest = engine.state_digest()
         spec = engine.speculation
         spec.drafter = KnownDrafts(spec, plain, len(prompt), 0.2, engine.config.vocab_size)
@@ -209,14 +223,14 @@ def _speculative() -> bool:
             end.record()
             torch.cuda.synchronize()
             timings[name] = (start.elapsed_time(end), out)
-        same = timings["speculative k=3"][1] == plain
+        outcome, detail = verdicts.tokens(scored, timings["speculative k=3"][1])
         captured = bool(engine.decoder.verify_steps) and all(step.captured for step in engine.decoder.verify_steps.values())
         stats = engine.speculation_stats
         print(f"  256 tokens: plain {timings['plain'][0]:.1f} ms, speculative k=3 {timings['speculative k=3'][0]:.1f} ms "
               f"(x{timings['plain'][0] / timings['speculative k=3'][0]:.2f}), {stats.tokens_per_pass:.2f} tokens per "
-              f"pass; tokens identical: {same}; verify graphs captured: {captured}; state bytes identical: "
-              f"{engine.state_digest() == plain_digest}")
-        return same and captured
+              f"pass; tokens against plain decode's: {_said(outcome, detail)}; verify graphs captured: {captured}; "
+              f"state bytes identical: {engine.state_digest() == plain_digest}")
+        return outcome != verdicts.DIFFERS and captured
     finally:
         engine.close()
 
@@ -231,7 +245,9 @@ def _moe() -> bool:
     """An MoE model on CUDA: capturing its decode step and its verify passes proves the routing
     reads nothing back to the host (a host read inside a capture fails it). Graphed decode must
     give the tokens and state bytes of the same fixed-shape code run uncaptured; speculative
-    decoding over captured verifies must give plain decode's tokens; a restore keeps the graph.
+    decoding over captured verifies must give plain decode's tokens up to a near-tie (judged as
+    ``_speculative`` judges them; a router's near-tie between two experts can change a token
+    past that, which this check would fail); a restore keeps the graph.
     The eager grouped path (what prefill runs) is timed beside it and its tokens reported."""
     from .known_drafts import KnownDrafts
 
@@ -251,10 +267,10 @@ def _moe() -> bool:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            tokens = engine.generate(128)
+            scored = _scored(engine, 128)
             end.record()
             torch.cuda.synchronize()
-            out[name] = (tokens, engine.state_digest(), start.elapsed_time(end) / 128)
+            out[name] = ([token for token, _ in scored], engine.state_digest(), start.elapsed_time(end) / 128, scored)
             print(f"  MoE {name}: {out[name][2]:.3f} ms per token")
         graphed, fixed = out["graphed"], out["fixed, uncaptured"]
         exact = graphed[:2] == fixed[:2]
@@ -271,15 +287,19 @@ def _moe() -> bool:
         spec = engine.speculation
         spec.drafter = KnownDrafts(spec, graphed[0], len(prompt), 0.2, cfg.vocab_size)
         spec.break_even = 0.0
-        speculative = engine.generate(128, speculative=3) == graphed[0]
+        outcome, detail = verdicts.tokens(graphed[3], engine.generate(128, speculative=3))
         captured = bool(engine.decoder.verify_steps) and all(s.captured for s in engine.decoder.verify_steps.values())
         print(f"  MoE restore keeps the graph and the tokens: {restored}; speculative k=3 over captured verify "
-              f"graphs == plain: {speculative} (verify graphs captured: {captured}, "
+              f"graphs against plain: {_said(outcome, detail)} (verify graphs captured: {captured}, "
               f"{engine.speculation_stats.tokens_per_pass:.2f} tokens per pass)")
-        return exact and restored and speculative and captured
+        return exact and restored and outcome != verdicts.DIFFERS and captured
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def _said(outcome: str, detail: str) -> str:
+    return outcome + (f" ({detail})" if detail else "")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ step freeing what it made:
    once, interleaved: both from the disk (the files' pages dropped from the page cache before
    each: the speed of the disk, target <= 2; in a VM a file read back soon after it was
    written may come from the host's memory, not its disk) and both from the page cache (what
-   the load costs beyond reading). On a CPU, side by side with these: the same load with torch's copies in place of
+   the load costs beyond reading). On a GPU, the target is the weights' load, and the load with
+   the decode and verify graphs captured, as a node loads, is timed beside it. On a CPU, side
+   by side with these: the same load with torch's copies in place of
    the package's transposing cast; with the weights on transparent huge pages, and decoding on
    them; and filling fresh memory of the built weights' size (what a load spends beyond reading
    on this machine, however its bytes are written). The peak resident memory once loaded;
@@ -58,6 +60,8 @@ PARITY_TOKENS = 12
 PAGE_DECODE_TOKENS = 16   # timed after as many again: a new engine's first steps run slow
 _TIMED = "flashrt-timed"   # marks the line a child reports its seconds on
 _CHILD_TIMEOUT_S = 1800   # a child that hangs fails the bench rather than stalling it
+NO_DISK = ("no figures from the disk here (the folder is on a file system kept in memory, or the "
+           "files' pages cannot be dropped)")
 
 
 def config_of(model: str) -> ModelConfig:
@@ -148,11 +152,11 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu", folder: str |
                         pass
             return time.perf_counter() - start
 
-        def load(cold: bool, kernel: bool = True, huge: bool = False) -> float:
+        def load(cold: bool, kernel: bool = True, huge: bool = False, graphs: bool = False) -> float:
             if cold:
                 evict(files)
             return in_fresh_process({"load": folder, "device": device, "dtype": str(dtype), "kernel": kernel,
-                                     "huge": huge})
+                                     "huge": huge, "cuda_graphs": graphs})
 
         def decode(huge: bool) -> float:
             """ms per greedy token of an engine whose weights are on huge or ordinary pages."""
@@ -178,6 +182,8 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu", folder: str |
         fns: dict[str, Callable[[], float]] = {"read": lambda: read(False), "load": lambda: load(False)}
         if dtype == torch.float32 and transpose_cast.serves(torch.empty(0, dtype=torch.bfloat16), torch.empty(0)):
             fns["torch_load"] = lambda: load(False, kernel=False)
+        if torch.device(device).type == "cuda":
+            fns["graphs_load"] = lambda: load(False, graphs=True)
         if torch.device(device).type == "cpu":
             fns |= {"fill": lambda: in_fresh_process({"fill": weight_bytes}),
                     "huge_load": lambda: load(False, huge=True),
@@ -201,13 +207,17 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu", folder: str |
               f"loaded in {t['load']:.2f} against "
               f"{t['huge_load']:.2f} s ({t['huge_load'] / t['load']:.2f}x), decoding at {t['decode']:.1f} against "
               f"{t['huge_decode']:.1f} ms/token ({t['decode'] / t['huge_decode']:.2f}x), from the page cache")
+    if "graphs_load" in t:
+        print(f"  with the decode and verify graphs captured, as a node loads: {t['graphs_load']:.2f} s against "
+              f"{t['load']:.2f} s for the weights alone, from the page cache")
     if "torch_load" in t:
         print(f"  the weights transposed and cast by the package's kernel: loaded in {t['load']:.2f} s, by torch's "
               f"copies in {t['torch_load']:.2f} s ({t['torch_load'] / t['load']:.2f}x), from the page cache")
     return {"file_bytes": nbytes, "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
             "cold_load_s": t.get("cold_load"), "torch_load_s": t.get("torch_load"), "dtype": str(dtype),
             "peak_rss_gib": peak, "weight_bytes": weight_bytes, "fill_s": t.get("fill"),
-            "huge_load_s": t.get("huge_load"), "decode_ms": t.get("decode"), "huge_decode_ms": t.get("huge_decode")}
+            "huge_load_s": t.get("huge_load"), "decode_ms": t.get("decode"), "huge_decode_ms": t.get("huge_decode"),
+            "graphs_load_s": t.get("graphs_load")}
 
 
 def thp_settings() -> str:
@@ -243,28 +253,32 @@ def in_fresh_process(job: dict) -> float:
 
 
 def timed_once(job: dict) -> float:
-    """``{"load": folder, "device", "dtype", "kernel", "huge"}``: seconds until the engine has its
-    weights (with torch's copies in place of the transposing cast unless ``kernel``; on huge
-    pages if ``huge``). ``{"fill": nbytes}``: seconds to allocate and write that much new memory
-    in 256 MiB pieces, all held to the end as a load holds its weights: what a load pays for
-    memory however its bytes are written. A device's context is made before the clock starts:
-    the comparison is with reading files, which needs none."""
+    """``{"load": folder, "device", "dtype", "kernel", "huge", "cuda_graphs"}``: seconds until
+    the engine has its weights (with torch's copies in place of the transposing cast unless
+    ``kernel``; on huge pages if ``huge``; on a GPU with its decode and verify graphs captured
+    too if ``cuda_graphs``). ``{"fill": nbytes}``: seconds to allocate and write that much new
+    memory in 256 MiB pieces, all held to the end as a load holds its weights: what a load pays
+    for memory however its bytes are written. A device's context and its BLAS handle are made
+    before the clock starts: the comparison is with reading files, which needs neither, and a
+    process makes them once whatever it loads."""
     if "fill" in job:
         start = time.perf_counter()
         held = [torch.empty(min(256 << 20, job["fill"] - at), dtype=torch.uint8).fill_(1)
                 for at in range(0, job["fill"], 256 << 20)]
         return time.perf_counter() - start   # ``held``, all of it, lives until the clock is read
+    dtype = getattr(torch, job["dtype"].removeprefix("torch."))
     with contextlib.ExitStack() as switches:
         if not job["kernel"]:
             switches.enter_context(transpose_cast.disabled())
         if job["huge"]:
             switches.enter_context(cast.huge_pages())
         if torch.device(job["device"]).type == "cuda":
-            torch.zeros(1, device=job["device"])
+            warm = torch.ones(8, 8, device=job["device"], dtype=dtype)
+            warm @ warm
             torch.cuda.synchronize(job["device"])
-        dtype = getattr(torch, job["dtype"].removeprefix("torch."))
         start = time.perf_counter()
-        with Engine.from_pretrained(job["load"], device=job["device"], dtype=dtype, max_seq_len=64) as engine:
+        with Engine.from_pretrained(job["load"], device=job["device"], dtype=dtype, max_seq_len=64,
+                                    cuda_graphs=job.get("cuda_graphs", False)) as engine:
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)
             return time.perf_counter() - start
@@ -341,10 +355,11 @@ def run(model: str = "Qwen3.5-0.8B", prompt: int = 512, tokens: int = 16, rounds
     if 1 in sections:
         print("1. loading a checkpoint folder")
         loaded = out["load"] = load_ratio(cfg, rounds, folder=folder)
-        cold = loaded["cold_load_s"] is not None
-        ratio = loaded["cold_load_s"] / loaded["cold_read_s"] if cold else loaded["load_s"] / loaded["read_s"]
-        checks.append(verdict(f"{model}: load / read its files, {'from the disk' if cold else 'from the page cache'}",
-                              ratio, 2.0, False))
+        if loaded["cold_load_s"] is not None:
+            checks.append(verdict(f"{model}: load / read its files, from the disk",
+                                  loaded["cold_load_s"] / loaded["cold_read_s"], 2.0, False))
+        else:
+            print(f"  {NO_DISK}: the target (<= 2x, from the disk) is not checked")
     if 2 in sections:
         print("2. parity with transformers (fp32)")
         out["parity"] = parity(cfg)

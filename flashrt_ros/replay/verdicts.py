@@ -121,3 +121,16 @@ def _floats(hexed: str) -> np.ndarray:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def tokens(scored: list[tuple[int, float]], produced: list[int], tol: Tolerance = Tolerance()) -> tuple[str, str]:
+    """(portable outcome, detail) of a run of tokens against a decode's scored ones (token,
+    margin): judged at the first token that differs, since every token after it grows from
+    another one. A run of another length DIFFERS."""
+    if len(produced) != len(scored):
+        return DIFFERS, f"{len(produced)} tokens against {len(scored)}"
+    first = next((i for i, ((want, _), got) in enumerate(zip(scored, produced)) if want != got), None)
+    if first is None:
+        return SAME, ""
+    outcome, detail = token(scored[first][0], scored[first][1], produced[first], tol)
+    return outcome, f"the first of them differs at token {first}: {detail}"
