@@ -122,11 +122,15 @@ def _checks(graphed: Engine, eager: Engine, prompt: torch.Tensor) -> bool:
         back = sorted(timed_restore(False) for _ in range(20))  # the state descends from the capsule
         again = graphed.generate(32)
         nbytes = sum(e - s for s, e in graphed.capsules.layout.ranges(capsule.position))
-        print(f"  restore of a 16k-token state ({nbytes / 2**20:.1f} MiB): median {full[len(full) // 2]:.3f} ms "
-              f"(target < 0.5 ms); a return to it from a descendant state: {back[len(back) // 2]:.3f} ms")
+        median = full[len(full) // 2]
+        # Each byte is read and written once: a device whose memory moves less than
+        # 2 * nbytes per 0.5 ms cannot meet the target, however the copy is made.
+        print(f"  restore of a 16k-token state ({nbytes / 2**20:.1f} MiB): median {median:.3f} ms "
+              f"(target < 0.5 ms; {2 * nbytes / median / 1e6:.0f} GB/s read and written); a return to it from a "
+              f"descendant state: {back[len(back) // 2]:.3f} ms")
         print(f"  tokens after restore identical: {first == again}; graph captures before/after: "
               f"{captures}/{graphed.decoder.token_graph.captures}")
-        return first == again and captures == graphed.decoder.token_graph.captures == 1 and full[len(full) // 2] < 0.5
+        return first == again and captures == graphed.decoder.token_graph.captures == 1 and median < 0.5
 
     ok &= _section("restore under 0.5 ms, no recapture, same tokens", restore_time)
 
