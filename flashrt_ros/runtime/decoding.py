@@ -104,6 +104,16 @@ class Decoder:
         return int(speculative)
 
     @property
+    def steps(self) -> dict[str, Step]:
+        """Every step a CUDA graph captures, by name: decode greedy, sampled and within a top-k /
+        top-p cut, the policy step (a policy model), and a verify pass per row count ("verify 2"
+        and on; speculative decoding at fixed shapes)."""
+        named = {"greedy": self._greedy, "sampled": self._sampled, "cut": self._cut}
+        if self._policy is not None:
+            named["policy"] = self._policy
+        return named | {f"verify {n}": verify for n, verify in self.verify_steps.items()}
+
+    @property
     def token_graph(self) -> Step:
         """The greedy decode step (its ``captures`` count says how often it was captured)."""
         return self._greedy
