@@ -166,13 +166,15 @@ def test_the_released_shape_benchmark_loads_a_folder_given_as_it_is_and_leaves_i
     from flashrt_ros.runtime.weights import save_checkpoint, seeded_weights
 
     cfg = ModelConfig.tiny(vocab_size=32768)
-    save_checkpoint(tmp_path, cfg, seeded_weights(cfg))   # fp32, as it was saved: not a bf16 copy of it
-    (tmp_path / "tokenizer.json").write_text("{}")        # a release's, which a load does not read
+    weights = seeded_weights(cfg)   # fp32, as saved: not a bf16 copy of them
+    save_checkpoint(tmp_path, cfg, weights | {"model.visual.merger.weight": torch.ones(1024, 1024)})
+    (tmp_path / "tokenizer.json").write_text("{}")   # a release's, which a load does not read
     before = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
     result = released.run(rounds=1, sections=(1,), folder=tmp_path)
-    assert result["model"] == tmp_path.name and {c["name"] for c in result["checks"]} == {
-        f"{tmp_path.name}: load / read its files, from the disk"}
+    from_disk = set() if released.in_memory(tmp_path) else {f"{tmp_path.name}: load / read its files, from the disk"}
+    assert result["model"] == tmp_path.name and {c["name"] for c in result["checks"]} == from_disk
     assert result["load"]["file_bytes"] == sum(len(before[n]) for n in ("config.json", "model.safetensors"))
+    assert result["load"]["kept_bytes"] == sum(t.numel() * t.element_size() for t in weights.values())
     assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before   # the folder is the caller's
     with pytest.raises(argparse.ArgumentTypeError, match="not a checkpoint folder"):
         released._folder(str(tmp_path / "absent"))

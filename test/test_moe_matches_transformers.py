@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from flashrt_ros.errors import CheckpointError
 from flashrt_ros.runtime import Engine
-from flashrt_ros.runtime.weights import save_checkpoint, seeded_weights
+from flashrt_ros.runtime.weights import kept_bytes, save_checkpoint, seeded_weights
 from hf_reference import MOE_CONFIGS, save_hf_model
 
 TOL = 1e-4
@@ -128,11 +128,13 @@ def test_the_mtp_layers_moe_block_loads_and_computes_as_transformers_block(tmp_p
                 stored[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e].contiguous()
         else:
             stored[name] = t
+    stored["model.visual.patch_embed.proj.weight"] = torch.ones(64, 48)   # a vision tower's, never loaded
     save_file(stored, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": cfg.to_hf_config()}))
     engine = Engine.from_pretrained(tmp_path)
     assert engine.seeded_weights == ()
     assert engine.model_fingerprint == Engine(cfg, weights).model_fingerprint
+    assert kept_bytes(tmp_path, cfg) == sum(t.numel() * t.element_size() for t in weights.values())
 
     fields = {k: v for k, v in cfg.to_hf_config().items() if k not in ("architectures", "model_type")}
     block = Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(**fields)).eval()

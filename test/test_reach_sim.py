@@ -101,3 +101,13 @@ def test_the_engine_acts_as_the_training_reference_on_the_shipped_policy():
             assert (ours - reference).abs().max() < 1e-5
     finally:
         engine.close()
+
+
+@TRAINED
+def test_the_retry_ablation_command_line_runs_the_first_episodes_and_draws(tmp_path, capsys):
+    from flashrt_ros.sim import ablation
+
+    assert ablation.main(["--episodes", "1", "--out", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    assert all(label in said for label in ablation.LABELS.values())
+    assert f"wrote {tmp_path / 'retry_paths.png'}" in said and (tmp_path / "retry_paths.png").stat().st_size > 0

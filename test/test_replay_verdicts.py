@@ -9,7 +9,7 @@ import torch
 
 from flashrt_ros.replay import Journal, Tolerance, judge, replay
 from flashrt_ros.replay.journal import ReplayMismatch
-from flashrt_ros.replay.verdicts import DIFFERS, EXACT_ONLY, SAME, TIE, WITHIN, tokens
+from flashrt_ros.replay.verdicts import DIFFERS, EXACT_ONLY, SAME, TIE, WITHIN, token_run
 from flashrt_ros.runtime import Engine, ModelConfig, Sampling
 from flashrt_ros.runtime.backends import cpu as cpu_backend
 from flashrt_ros.runtime.weights import seeded_weights
@@ -121,11 +121,11 @@ def test_a_run_of_tokens_is_judged_at_its_first_difference_only():
     """What grows from another token is not compared: a run that leaves the scored one at a
     near-tie is a tie however it goes on, and one that leaves it elsewhere differs."""
     scored = [(5, 2.0), (7, 1e-4), (9, 3.0)]
-    assert tokens(scored, [5, 7, 9]) == (SAME, "")
-    outcome, detail = tokens(scored, [5, 8, 1])
+    assert token_run(scored, [5, 7, 9]) == (SAME, "")
+    outcome, detail = token_run(scored, [5, 8, 1])
     assert outcome == TIE and "at token 1" in detail and "margin 0.0001 <= tolerance 0.001" in detail
-    assert tokens(scored, [5, 8, 1], Tolerance(margin=1e-5))[0] == DIFFERS
-    assert tokens(scored, [6, 7, 9])[0] == DIFFERS and tokens(scored, [5, 7])[0] == DIFFERS
+    assert token_run(scored, [5, 8, 1], Tolerance(margin=1e-5))[0] == DIFFERS
+    assert token_run(scored, [6, 7, 9])[0] == DIFFERS and token_run(scored, [5, 7])[0] == DIFFERS
 
 
 def test_a_changed_outcome_stops_the_replay_and_fails_both():

@@ -104,6 +104,7 @@ def test_the_ablation_runs_and_draws(tmp_path):
     assert (resume_ablation.draw(result, tmp_path)).stat().st_size > 0
 
 
+@TRAINED
 def test_the_ablation_command_line_runs_the_first_episodes_and_draws(tmp_path, capsys):
     from flashrt_ros.sim import resume_ablation
 

@@ -354,3 +354,21 @@ def test_a_pass_interrupted_between_its_commits_leaves_the_last_boundary_it_comm
     assert engine.position == len(PROMPT) + 1
     assert engine.state_digest() == digests[engine.position]
     assert engine.generate(4) == plain[1:5]
+
+
+@pytest.mark.parametrize("cpu_kernels", [pytest.param(True, marks=needs_kernels), False])
+def test_the_distillers_acceptance_run_takes_a_near_tie_only_off_the_cpu_backend(monkeypatch, capsys, cpu_kernels):
+    """Its verify rows are decode's bytes on the CPU backend, so a token that leaves plain
+    decode's there is an error even at a tie; on torch's products (a GPU's) it is counted."""
+    from flashrt_ros.distill import train_mtp
+    from flashrt_ros.replay import verdicts
+
+    monkeypatch.setattr(verdicts, "token_run", lambda scored, produced: (verdicts.TIE, "at token 3: a tie"))
+    build = lambda head: Engine.from_config(ModelConfig.tiny(), max_seq_len=64, cpu_kernels=cpu_kernels)  # noqa: E731
+    run = lambda: train_mtp.acceptance(build, {}, [PROMPT, PROMPT[::-1]], 8, (2,))  # noqa: E731
+    if cpu_kernels:
+        with pytest.raises(RuntimeError, match="with 2 drafts gave other tokens than plain decode \\(at token 3"):
+            run()
+        return
+    assert set(run()) == {"acceptance_k2", "tokens_per_pass_k2"}
+    assert "2 drafts: 2 of 2 held-out prompts left plain decode's tokens at a near-tie" in capsys.readouterr().out

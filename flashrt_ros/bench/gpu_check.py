@@ -185,7 +185,7 @@ def _released_load(device: str = "cuda") -> bool | None:
 
     t = load_ratio(config_of("Qwen3.5-0.8B"), rounds=3, device=device)
     if t["cold_load_s"] is None:
-        print(f"  {NO_DISK}: set TMPDIR to a folder on a disk")
+        print(f"  {NO_DISK}: on Linux, set TMPDIR to a folder on a disk")
         return None
     ratio = t["cold_load_s"] / t["cold_read_s"]
     print(f"  load / read from the disk: {ratio:.2f} (target <= 2)")
@@ -202,7 +202,7 @@ def _speculative() -> bool:
     captured graphs, the tokens are plain decode's, and a pass's time against a decode step's.
     torch's products of several rows round otherwise than of one on a GPU, so the state's bytes
     are reported, not required, and the tokens are judged as a replay on another platform
-    judges them (``replay.verdicts.tokens``): identical, or identical up to a first difference
+    judges them (``replay.verdicts.token_run``): identical, or identical up to a first difference
     where plain decode chose within the tolerance of a tie."""
     from .known_drafts import KnownDrafts
 
@@ -227,7 +227,7 @@ def _speculative() -> bool:
             end.record()
             torch.cuda.synchronize()
             timings[name] = (start.elapsed_time(end), out)
-        outcome, detail = verdicts.tokens(scored, timings["speculative k=3"][1])
+        outcome, detail = verdicts.token_run(scored, timings["speculative k=3"][1])
         captured = bool(engine.decoder.verify_steps) and all(step.captured for step in engine.decoder.verify_steps.values())
         stats = engine.speculation_stats
         print(f"  256 tokens: plain {timings['plain'][0]:.1f} ms, speculative k=3 {timings['speculative k=3'][0]:.1f} ms "
@@ -291,7 +291,7 @@ def _moe() -> bool:
         spec = engine.speculation
         spec.drafter = KnownDrafts(spec, graphed[0], len(prompt), 0.2, cfg.vocab_size)
         spec.break_even = 0.0
-        outcome, detail = verdicts.tokens(graphed[3], engine.generate(128, speculative=3))
+        outcome, detail = verdicts.token_run(graphed[3], engine.generate(128, speculative=3))
         captured = bool(engine.decoder.verify_steps) and all(s.captured for s in engine.decoder.verify_steps.values())
         print(f"  MoE restore keeps the graph and the tokens: {restored}; speculative k=3 over captured verify "
               f"graphs against plain: {_said(outcome, detail)} (verify graphs captured: {captured}, "

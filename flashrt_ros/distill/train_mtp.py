@@ -142,7 +142,7 @@ def acceptance(build, head: dict[str, torch.Tensor], starts: list[list[int]], le
     """Speculative decoding with ``head`` on held-out prompts, per drafts per pass: acceptance
     and tokens per pass. Raises if the tokens differ from plain decode's: on the CPU backend at
     all (its verify rows are decode's bytes), elsewhere other than after a near-tie of plain
-    decode's choice (``replay.verdicts.tokens``: products of several rows round otherwise than
+    decode's choice (``replay.verdicts.token_run``: products of several rows round otherwise than
     of one), which is counted and said."""
     out = {}
     with build(head) as engine:
@@ -158,7 +158,7 @@ def acceptance(build, head: dict[str, torch.Tensor], starts: list[list[int]], le
             for start, expected in zip(starts, plain):
                 engine.reset()
                 engine.prefill(start)
-                outcome, detail = verdicts.tokens(expected, engine.generate(length, speculative=k))
+                outcome, detail = verdicts.token_run(expected, engine.generate(length, speculative=k))
                 if outcome == verdicts.DIFFERS or (outcome == verdicts.TIE and engine.cpu_kernels):
                     raise RuntimeError(f"speculative decoding with {k} drafts gave other tokens than plain decode "
                                        f"({detail})")

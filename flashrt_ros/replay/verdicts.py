@@ -123,7 +123,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def tokens(scored: list[tuple[int, float]], produced: list[int], tol: Tolerance = Tolerance()) -> tuple[str, str]:
+def token_run(scored: list[tuple[int, float]], produced: list[int], tol: Tolerance = Tolerance()) -> tuple[str, str]:
     """(portable outcome, detail) of a run of tokens against a decode's scored ones (token,
     margin): judged at the first token that differs, since every token after it grows from
     another one. A run of another length DIFFERS."""

@@ -105,9 +105,9 @@ class Decoder:
 
     @property
     def steps(self) -> dict[str, Step]:
-        """Every step a CUDA graph captures, by name: decode greedy, sampled and within a top-k /
-        top-p cut, the policy step (a policy model), and a verify pass per row count ("verify 2"
-        and on; speculative decoding at fixed shapes)."""
+        """Every step a CUDA graph captures where the engine has graphs, by name: decode greedy,
+        sampled and within a top-k / top-p cut, the policy step (a policy model), and a verify
+        pass per row count ("verify 2" and on; speculative decoding at fixed shapes)."""
         named = {"greedy": self._greedy, "sampled": self._sampled, "cut": self._cut}
         if self._policy is not None:
             named["policy"] = self._policy

@@ -255,6 +255,25 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def kept_bytes(path: str | Path, cfg: ModelConfig) -> int:
+    """The bytes of a checkpoint folder's tensors that a load of ``cfg`` keeps, from the files'
+    headers alone: a load never touches the others (a multimodal release's vision tower,
+    tensors the config has no place for)."""
+    shapes, total = expected_shapes(cfg), 0
+    for file in weight_files(Path(path)):
+        try:
+            with open(file, "rb") as stream:
+                header = json.loads(stream.read(int.from_bytes(stream.read(8), "little")))
+            spans = [(name, info["data_offsets"]) for name, info in header.items() if name != "__metadata__"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{file}: unreadable safetensors header ({exc})") from None
+        for raw_name, (start, end) in spans:
+            name = _canonical(raw_name)
+            if name is not None and (name in shapes or cfg.moe and ExpertStacks.matches(name)):
+                total += end - start
+    return total
+
+
 def load_checkpoint(path: str | Path, seed: int = 0, policy_dims: tuple[int, int] | None = None,
                     ) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str]]:
     """Read ``config.json`` and the safetensors weights of a Hugging Face checkpoint folder.
