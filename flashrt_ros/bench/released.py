@@ -16,10 +16,11 @@ step freeing what it made:
    written may come from the host's memory, not its disk) and both from the page cache (what
    the load costs beyond reading). On a GPU (``gpu_check`` runs this step on its device), the
    target is the weights' load, and the load with the decode and verify graphs captured, as a
-   node loads, is timed beside it. On a CPU, side by side with these: the same load with torch's copies in place of
-   the package's transposing cast; with the weights on transparent huge pages, and decoding on
-   them; and filling fresh memory of the built weights' size (what a load spends beyond reading
-   on this machine, however its bytes are written). The peak resident memory once loaded;
+   node loads, is timed beside it. On a CPU, side by side with these: the same load with
+   torch's copies in place of the package's transposing cast; with the weights on transparent
+   huge pages, and decoding on them; and filling fresh memory of the built weights' size (what
+   a load spends beyond reading on this machine, however its bytes are written). The peak
+   resident memory once loaded;
 2. parity with transformers (fp32, same weights): the largest difference of the prompt's last
    logits, and greedy tokens compared one by one;
 3. prefill and decode tokens/s against transformers, and decode against the weight-bandwidth
@@ -119,7 +120,8 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu", folder: str |
 
     with contextlib.ExitStack() as stack:
         if folder is None:
-            folder = stack.enter_context(tempfile.TemporaryDirectory())   # TMPDIR; on tmpfs only the page-cache figures are taken
+            # In TMPDIR: on tmpfs only the page-cache figures are taken.
+            folder = stack.enter_context(tempfile.TemporaryDirectory())
             weights = {k: v.to(torch.bfloat16) for k, v in seeded_weights(cfg, seed=0).items()}
             save_checkpoint(folder, cfg, weights)
             del weights
@@ -128,7 +130,7 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu", folder: str |
             folder, what = str(folder), f"folder {folder}"
         files = read_by_load(Path(folder))
         for f in files:   # written back, so that dropping the pages makes the next read the disk's
-            with open(f, "rb") as stream:
+            with open(f, "rb") as stream, contextlib.suppress(OSError):   # a read-only mount has none to write
                 os.fsync(stream.fileno())
         nbytes = sum(f.stat().st_size for f in files)
         kept = kept_bytes(folder, cfg)
@@ -217,8 +219,9 @@ def load_ratio(cfg: ModelConfig, rounds: int, device: str = "cpu", folder: str |
     if "torch_load" in t:
         print(f"  the weights transposed and cast by the package's kernel: loaded in {t['load']:.2f} s, by torch's "
               f"copies in {t['torch_load']:.2f} s ({t['torch_load'] / t['load']:.2f}x), from the page cache")
-    return {"file_bytes": nbytes, "kept_bytes": kept, "read_s": t["read"], "load_s": t["load"], "cold_read_s": t.get("cold_read"),
-            "cold_load_s": t.get("cold_load"), "torch_load_s": t.get("torch_load"), "dtype": str(dtype),
+    return {"file_bytes": nbytes, "kept_bytes": kept, "read_s": t["read"], "load_s": t["load"],
+            "cold_read_s": t.get("cold_read"), "cold_load_s": t.get("cold_load"), "torch_load_s": t.get("torch_load"),
+            "dtype": str(dtype),
             "peak_rss_gib": peak, "weight_bytes": weight_bytes, "fill_s": t.get("fill"),
             "huge_load_s": t.get("huge_load"), "decode_ms": t.get("decode"), "huge_decode_ms": t.get("huge_decode"),
             "graphs_load_s": t.get("graphs_load")}
