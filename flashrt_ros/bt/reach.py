@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -302,7 +301,8 @@ def run(root: py_trees.behaviour.Behaviour, timeout_s: float = 60.0, period_s: f
 
 def main(argv: list[str] | None = None) -> int:
     import rclpy
-    from rclpy.executors import SingleThreadedExecutor
+
+    from ..ros.spinning import spun
 
     parser = argparse.ArgumentParser(prog="python -m flashrt_ros.bt.reach", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,21 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim", default="/flashrt_sim")
     args = parser.parse_args(argv)
     rclpy.init()
-    node = rclpy.create_node("reach_tree")
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    threading.Thread(target=executor.spin, daemon=True).start()
     try:
-        root, _, attempts = reach_with_retry(node, args.server, args.sim)
-        status = run(root)
+        node = rclpy.create_node("reach_tree")
+        with spun(node):
+            root, _, attempts = reach_with_retry(node, args.server, args.sim)
+            status = run(root)
         for attempt in attempts:
             for reached, gap in attempt.outcomes:
                 print(f"{attempt.name}: {'reached' if reached else 'missed'} the goal ({gap:.3f} m)")
         print(f"reach with retry: {status.name}")
         return 0 if status == Status.SUCCESS else 1
     finally:
-        executor.shutdown()
-        node.destroy_node()
         rclpy.try_shutdown()
 
 

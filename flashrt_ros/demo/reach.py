@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,16 +68,13 @@ def over_ros(out: Path, seed: int = ablation.ABLATION_SEEDS.start, policy: Path 
 def _drive(context, result: OverRos) -> None:
     """The tree, from a client node of its own in ``context``."""
     import rclpy
-    from rclpy.executors import SingleThreadedExecutor
 
     from ..bt.reach import reach_with_retry, run
+    from ..ros.spinning import spun
 
     client = rclpy.create_node("reach_demo", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(client)
-    try:
-        root, world, attempts = reach_with_retry(client)
-        threading.Thread(target=executor.spin, daemon=True).start()
+    root, world, attempts = reach_with_retry(client)
+    with spun(client):
         wait_for_policy(client)
         result.status = run(root, timeout_s=120.0).name
         tip = root.tip()
@@ -88,9 +84,6 @@ def _drive(context, result: OverRos) -> None:
         gaps = np.diff(world.period_at) * 1e3
         if gaps.size:
             result.period_ms = (float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)))
-    finally:
-        executor.shutdown()
-        client.destroy_node()
 
 
 def start_pair(logs: Any, env: dict, sim_params: list[str], policy: Path, journals: Path) -> list[subprocess.Popen]:

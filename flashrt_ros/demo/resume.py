@@ -16,7 +16,6 @@ import argparse
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,18 +88,15 @@ def run(out: Path, episodes: int = 20, policy: Path = DEFAULT_OUT) -> OverRos:
 
 def _drive(context, result: OverRos, seeds: range) -> None:
     import rclpy
-    from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
     from rclpy.parameter_client import AsyncParameterClient
     from std_srvs.srv import Trigger
 
     from ..bt.route import RouteWorld
+    from ..ros.spinning import spun
 
     client = rclpy.create_node("resume_demo", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(client)
-    threading.Thread(target=executor.spin, daemon=True).start()
-    try:
+    with spun(client):
         world = RouteWorld(client, SIM, "/flashrt")
         sim_params = AsyncParameterClient(client, SIM)
         wait_for_policy(client)
@@ -118,9 +114,6 @@ def _drive(context, result: OverRos, seeds: range) -> None:
         said = world.reset.call_async(Trigger.Request())
         _wait(said, 10, "reset")
         result.sim_said = said.result().message
-    finally:
-        executor.shutdown()
-        client.destroy_node()
 
 
 def _episode(node, world, episode: Interrupted, resume: str) -> bool | None:

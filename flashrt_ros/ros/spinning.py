@@ -1,16 +1,18 @@
-"""Spinning an executor through the failures of single callbacks, until shutdown; and a
-node's program around it."""
+"""Spinning an executor through the failures of single callbacks, until shutdown; a node spun
+on a thread for the length of a block; and a node's program around it."""
 from __future__ import annotations
 
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import rclpy
 from rclpy.context import Context
-from rclpy.executors import Executor, ExternalShutdownException
+from rclpy.executors import Executor, ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
 
 from .rclpy_compat import RCLError, executor_shut_down
 
@@ -51,6 +53,27 @@ def spin_until_shutdown(executor: Executor, context: Context, failed: Callable[[
                 return   # the node went while this thread was waking: no callback's fault
             failed(traceback.format_exc())
         time.sleep(0.01)   # never a hot loop, whatever keeps failing
+
+
+@contextmanager
+def spun(node: Node, join_s: float = 5.0) -> Iterator[Executor]:
+    """``node`` spun by a single-threaded executor on a thread of its own for the length of the
+    block; after it, the executor is shut down, the thread joined (out of rclpy's wait), and
+    only then the node destroyed, here. A node destroyed while that thread still waits on it is
+    torn down wherever its last use ends, and with the context's last node goes its DDS
+    participant: torn down on the spinning thread while the caller stops the processes it
+    talked to, Fast DDS can deadlock there (the participant waits for a discovery callback of a
+    leaving peer, which waits for it) with the GIL held, and every thread of the process stops."""
+    executor = SingleThreadedExecutor(context=node.context)
+    executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, name=f"spin-{node.get_name()}", daemon=True)
+    spinner.start()
+    try:
+        yield executor
+    finally:
+        executor.shutdown(timeout_sec=join_s)
+        spinner.join(join_s)
+        node.destroy_node()
 
 
 def run_node(program: str, make: Callable[[], Any], make_executor: Callable[[], Executor],
